@@ -1,0 +1,41 @@
+"""llama.cpp adapter: /health 503 "Loading model", llamacpp: gauges, idle slots from /slots, no [DONE] after errors."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+
+from backends.openai_http import OpenAIHTTPBackend, parse_gauges
+from gateway.contracts import LoadSample
+
+
+class LlamaCppBackend(OpenAIHTTPBackend):
+    engine = "llamacpp"
+    health_path = "/health"
+    metrics_path = "/metrics"
+    slots_path = "/slots"
+    metric_names = {
+        "running": ("llamacpp:requests_processing",),
+        "waiting": ("llamacpp:requests_deferred",),
+        "kv_usage": ("llamacpp:kv_cache_usage_ratio",),
+    }
+    needs_max_tokens = True
+    done_after_error = False
+
+    async def sample_load(self, timeout: float) -> LoadSample | None:
+        # /slots is on by default; /metrics only with --metrics, so either may be missing.
+        status, body = await self._get(self.slots_path, timeout)
+        idle = total = None
+        if status == 200:
+            slots = orjson.loads(body)
+            if isinstance(slots, list):
+                total = len(slots)
+                idle = sum(1 for s in slots if isinstance(s, dict) and not s.get("is_processing"))
+        status, body = await self._get(self.metrics_path, timeout)
+        g = parse_gauges(body.decode("utf-8", "replace"), self.metric_names) if status == 200 else {}
+        running = g.get("running", None if total is None or idle is None else float(total - idle))
+        if total is None and not g:
+            return None
+        return LoadSample(running=running, waiting=g.get("waiting"), kv_usage=g.get("kv_usage"),
+                          idle_slots=idle, total_slots=total, at=time.monotonic())

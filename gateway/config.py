@@ -1,0 +1,225 @@
+"""The gateway's configuration: pydantic models (frozen, unknown keys rejected) loaded from one TOML file."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENGINES = ("vllm", "sglang", "llamacpp", "openai")
+CLASS_NAMES = ("long_output", "long_prompt", "interactive", "default")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    access_log: bool = True
+
+
+class ApiKey(Strict):
+    id: str = Field(min_length=1)
+    sha256: str
+    admin: bool = False
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, v: str) -> str:
+        v = v.strip().lower()
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise ValueError("must be the 64-character hex SHA-256 digest of the key")
+        return v
+
+
+class AuthConfig(Strict):
+    enabled: bool = True
+    keys: tuple[ApiKey, ...] = ()
+
+    @model_validator(mode="after")
+    def _keys_when_enabled(self) -> "AuthConfig":
+        if self.enabled and not self.keys:
+            raise ValueError("auth is enabled but no [[auth.keys]] are configured; "
+                             "add keys or set [auth] enabled = false explicitly")
+        ids = [k.id for k in self.keys]
+        if len(ids) != len(set(ids)):
+            raise ValueError("[[auth.keys]] ids must be unique")
+        return self
+
+
+class UpstreamConfig(Strict):
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_byte_timeout_s: float = Field(120.0, gt=0)
+    idle_timeout_s: float = Field(60.0, gt=0)
+    pool_limit: int = Field(1024, ge=1)
+    pool_limit_per_backend: int = Field(512, ge=1)
+    keepalive_s: float = Field(30.0, gt=0)
+
+
+class ModelRouting(Strict):
+    policy: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RoutingConfig(Strict):
+    policy: str = "least_loaded"
+    params: dict[str, Any] = Field(default_factory=dict)
+    max_attempts: int = Field(3, ge=1, le=10)
+    retry_deadline_s: float = Field(30.0, gt=0)
+    models: dict[str, ModelRouting] = Field(default_factory=dict)
+
+
+class ShapeConfig(Strict):
+    long_prompt_tokens: int = Field(1024, ge=1)
+    long_output_tokens: int = Field(512, ge=1)
+    default_output_tokens: int = Field(256, ge=1)
+    prefix_block_chars: int = Field(256, ge=16)
+    max_prefix_blocks: int = Field(64, ge=1)
+
+
+class HealthConfig(Strict):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    sglang_interval_s: float = Field(5.0, gt=0)
+    sglang_timeout_s: float = Field(25.0, gt=0)
+    healthy_threshold: int = Field(1, ge=1)
+    unhealthy_threshold: int = Field(2, ge=1)
+    load_interval_s: float = Field(0.5, gt=0)
+    load_stale_s: float = Field(3.0, gt=0)
+    breaker_failures: int = Field(5, ge=1)
+    breaker_open_s: float = Field(5.0, gt=0)
+    warmup: bool = True
+
+
+class StateConfig(Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "shapegate:"
+    affinity_ttl_s: float = Field(600.0, gt=0)
+    flush_interval_s: float = Field(0.5, gt=0)
+
+
+class MetricsConfig(Strict):
+    enabled: bool = True
+    require_admin: bool = False
+
+
+class StatsConfig(Strict):
+    window_s: float = Field(60.0, gt=0)
+    max_samples: int = Field(2048, ge=16)
+
+
+class LatencyHints(Strict):
+    ttft_ms: float | None = Field(None, gt=0)
+    prefill_tps: float | None = Field(None, gt=0)
+    itl_ms: float | None = Field(None, gt=0)
+    itl_per_stream_ms: float | None = Field(None, ge=0)
+
+
+class BackendConfig(Strict):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    engine: Literal["vllm", "sglang", "llamacpp", "openai"]
+    url: str
+    models: dict[str, str]
+    api_key_env: str | None = None
+    classes: tuple[str, ...] | None = None
+    interactive: bool = False
+    weight: float = Field(1.0, gt=0)
+    hints: LatencyHints = LatencyHints()
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_list_or_table(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return {str(name): str(name) for name in v}
+        return v
+
+    @field_validator("models")
+    @classmethod
+    def _models_nonempty(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("a backend must serve at least one model")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+    @field_validator("classes")
+    @classmethod
+    def _known_classes(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for name in v or ():
+            if name not in CLASS_NAMES:
+                raise ValueError(f"unknown class {name!r}; expected one of {', '.join(CLASS_NAMES)}")
+        return v
+
+
+class GatewayConfig(Strict):
+    server: ServerConfig = ServerConfig()
+    auth: AuthConfig = AuthConfig(enabled=False)
+    upstream: UpstreamConfig = UpstreamConfig()
+    routing: RoutingConfig = RoutingConfig()
+    shape: ShapeConfig = ShapeConfig()
+    health: HealthConfig = HealthConfig()
+    state: StateConfig = StateConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    stats: StatsConfig = StatsConfig()
+    backends: tuple[BackendConfig, ...] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auth_is_explicit(cls, data: Any) -> Any:
+        # Running without keys must be a visible choice in the file, never a default.
+        if isinstance(data, dict) and "auth" not in data:
+            data = {**data, "auth": {"enabled": True}}
+        return data
+
+    @model_validator(mode="after")
+    def _unique_backends(self) -> "GatewayConfig":
+        ids = [b.id for b in self.backends]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"backend ids must be unique: {', '.join(dupes)}")
+        return self
+
+
+class ConfigError(ValueError):
+    """The configuration file is missing, not TOML, or not valid; the message names the field."""
+
+
+def _format_validation(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {path}: {msg}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any]) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {p}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return parse_config(data)

@@ -1,0 +1,169 @@
+"""Protocols and frozen records shared by the gateway, policies/ and backends/ (imports nothing of ours)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping, Protocol
+
+# Request classes: which latency matters most for a request.
+LONG_OUTPUT = "long_output"
+LONG_PROMPT = "long_prompt"
+INTERACTIVE = "interactive"
+DEFAULT = "default"
+CLASSES = (LONG_OUTPUT, LONG_PROMPT, INTERACTIVE, DEFAULT)
+
+# Health states of a backend.
+STARTING = "starting"
+READY = "ready"
+UNHEALTHY = "unhealthy"
+DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What the gateway knows about a request before routing it."""
+
+    model: str
+    route: str  # "chat" | "completions" | "embeddings"
+    stream: bool
+    prompt_tokens: int  # estimate, no tokenizer
+    output_tokens: int  # max_tokens, or a learned expectation
+    klass: str
+    principal: str = "anonymous"
+    session_id: str | None = None
+    prefix_hashes: tuple[int, ...] = ()  # chained block hashes of the prompt, in order
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyEstimate:
+    """A backend's fitted latency model, as policies see it (seconds)."""
+
+    ttft_t0: float  # fixed part of TTFT
+    prefill_rate: float  # uncached prompt tokens per second
+    itl_a: float  # ITL with one running stream
+    itl_b: float  # extra ITL per additional running stream
+    samples: int  # how many measured requests taught it
+
+    def ttft(self, prompt_tokens: int, wait: float = 0.0) -> float:
+        return wait + self.ttft_t0 + prompt_tokens / self.prefill_rate
+
+    def itl(self, running: float) -> float:
+        return self.itl_a + self.itl_b * max(running - 1.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """Engine load read from its own routes, mapped to common fields (None: engine does not say)."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    idle_slots: int | None = None
+    total_slots: int | None = None
+    at: float = 0.0  # monotonic time the sample was taken
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """A snapshot of one candidate backend, taken for one routing decision."""
+
+    id: str
+    engine: str
+    in_flight: int
+    latency: LatencyEstimate
+    load: LoadSample | None = None  # None when stale or never scraped
+    classes: frozenset[str] | None = None  # None: takes every class
+    interactive: bool = False
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    shape: RequestShape
+    candidates: tuple[BackendView, ...]
+    affinity: str | None = None  # backend id that last served this session or prefix
+    now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's answer: candidates best first, and why the first one won."""
+
+    ranked: tuple[BackendView, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to one request on one backend, fed back to policies and stats."""
+
+    backend: str
+    shape: RequestShape
+    ok: bool
+    status: int
+    ttft: float | None = None
+    itl: float | None = None
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    running_at_start: int = 0
+
+
+class Policy(Protocol):
+    """Ranks candidates for one request: pure and synchronous (no I/O)."""
+
+    name: str
+
+    def rank(self, inp: RouteInput) -> Decision: ...
+
+    def observe(self, outcome: Outcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    """One HTTP call to a backend: the body is already in the engine's dialect."""
+
+    path: str
+    body: bytes
+    headers: Mapping[str, str]
+    stream: bool
+
+
+class UpstreamReply(Protocol):
+    """A backend's answer as it arrives: status and headers first, then the body."""
+
+    status: int
+    headers: Mapping[str, str]
+
+    def iter_chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """One active health probe: ok, or the engine's way of saying not yet / not now."""
+
+    ok: bool
+    status: int  # HTTP status, 0 when the connection failed
+    detail: str = ""
+    refused: bool = False  # connection refused: not up yet (vLLM/SGLang while loading)
+
+
+class Backend(Protocol):
+    """An engine adapter: engine differences as data, one network seam."""
+
+    id: str
+    engine: str
+
+    def prepare(self, route: str, body: dict[str, Any], raw: bytes, native_model: str,
+                force_usage: bool) -> bytes: ...
+
+    async def forward(self, call: UpstreamCall, timeout: float) -> UpstreamReply: ...
+
+    async def probe(self, timeout: float) -> ProbeResult: ...
+
+    async def sample_load(self, timeout: float) -> LoadSample | None: ...

@@ -1,0 +1,135 @@
+"""Typed gateway errors and engine error bodies, turned into OpenAI-shaped JSON in one place."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import orjson
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class GatewayError(Exception):
+    """An error the client sees: status, OpenAI error fields and optional headers."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
+
+    def payload(self) -> dict[str, Any]:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        err.update(self.extra)
+        return {"error": err}
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+    def sse_event(self) -> bytes:
+        return b"data: " + self.body() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_request") -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def unauthorized(message: str = "Invalid or missing API key.") -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
+
+
+def forbidden(message: str = "This route needs an admin API key.") -> GatewayError:
+    return GatewayError(403, message, code="admin_key_required")
+
+
+def model_not_found(model: str) -> GatewayError:
+    return GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def no_backend(model: str, retry_after: int = 1) -> GatewayError:
+    return GatewayError(503, f"No backend can take a request for `{model}` right now; retry shortly.",
+                        code="no_backend_available", headers={"Retry-After": str(retry_after)})
+
+
+def upstream_failed(detail: str) -> GatewayError:
+    return GatewayError(502, f"The upstream engine failed: {detail}.", code="upstream_error")
+
+
+def upstream_timeout(detail: str) -> GatewayError:
+    return GatewayError(504, f"The upstream engine timed out: {detail}.", code="upstream_timeout")
+
+
+_CONTEXT_MARKERS = (
+    "maximum context length",
+    "exceeds the available context size",
+    "longer than the model's context length",
+    "exceed_context_size",
+)
+
+
+def _string_code(status: int, err: Mapping[str, Any]) -> str | None:
+    text = f"{err.get('message', '')} {err.get('type', '')}"
+    if status == 400 and (err.get("param") == "input_tokens" or any(m in text for m in _CONTEXT_MARKERS)):
+        return "context_length_exceeded"
+    code = err.get("code")
+    if isinstance(code, str) and code:
+        return code
+    if status == 404:
+        return "model_not_found" if "model" in text.lower() else "not_found"
+    return {429: "rate_limit_exceeded", 503: "server_is_overloaded"}.get(status)
+
+
+def normalize_engine_error(status: int, raw: bytes) -> GatewayError:
+    """Re-shape any engine's error body (nested vLLM/llama.cpp, flat SGLang, or text) into the OpenAI shape."""
+    try:
+        data = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        data = None
+    err: dict[str, Any]
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        err = data["error"]
+    elif isinstance(data, dict) and ("message" in data or "detail" in data):
+        err = data
+    else:
+        err = {"message": f"upstream returned HTTP {status}"}
+    message = err.get("message") or err.get("detail") or f"upstream returned HTTP {status}"
+    if not isinstance(message, str):
+        message = orjson.dumps(message).decode()
+    param = err.get("param") if isinstance(err.get("param"), str) else None
+    extra = {k: err[k] for k in ("n_prompt_tokens", "n_ctx") if k in err}
+    code = _string_code(status, err)
+    if code == "context_length_exceeded" and param in (None, "input_tokens"):
+        param = "messages"
+    return GatewayError(status, message, param=param, code=code, extra=extra)
+
+
+def error_from_event(payload: Mapping[str, Any]) -> GatewayError:
+    """An in-band SSE error event from any engine, as an OpenAI error (status from its code when known)."""
+    err = payload.get("error")
+    err = err if isinstance(err, dict) else payload
+    code = err.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return normalize_engine_error(status, orjson.dumps({"error": err}))

@@ -1,0 +1,155 @@
+"""Relay of an engine's reply to the client: SSE event by event as it arrives, with the gateway's own timing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import GatewayError, error_from_event
+
+DONE = b"data: [DONE]\n\n"
+_TOKEN_MARKERS = (b'"content":"', b'"content": "', b'"text":"', b'"text": "', b'"reasoning":"', b'"reasoning": "')
+
+
+def is_token_event(ev: bytes) -> bool:
+    """True when an SSE event carries generated output (not the role-only first chunk or a usage chunk)."""
+    for m in _TOKEN_MARKERS:
+        i = ev.find(m)
+        if i >= 0 and ev[i + len(m):i + len(m) + 1] != b'"':
+            return True
+    return b'"tool_calls":[{' in ev or b'"tool_calls": [{' in ev
+
+
+def model_rewriter(native: str, public: str) -> tuple[tuple[bytes, bytes], ...]:
+    """Byte replacements that put the public model name back into an engine's JSON (both spacing styles)."""
+    if native == public:
+        return ()
+    n, p = orjson.dumps(native), orjson.dumps(public)
+    return ((b'"model":' + n, b'"model":' + p), (b'"model": ' + n, b'"model": ' + p))
+
+
+def rewrite(data: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    for old, new in pairs:
+        data = data.replace(old, new)
+    return data
+
+
+class StreamMeter:
+    """What the gateway measured on one stream: first/last token times, token events, usage, the ending."""
+
+    __slots__ = ("t_first", "t_last", "token_events", "usage", "saw_done", "saw_finish", "error")
+
+    def __init__(self) -> None:
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.token_events = 0
+        self.usage: dict[str, Any] | None = None
+        self.saw_done = False
+        self.saw_finish = False
+        self.error: GatewayError | None = None
+
+
+class SSERelay:
+    """Splits the upstream byte stream into events, inspects only what stats need, forwards the rest unchanged."""
+
+    __slots__ = ("resp", "meter", "strip_usage", "pairs", "_buf", "_loop")
+
+    def __init__(self, resp: web.StreamResponse, meter: StreamMeter, strip_usage: bool,
+                 pairs: tuple[tuple[bytes, bytes], ...]) -> None:
+        self.resp = resp
+        self.meter = meter
+        self.strip_usage = strip_usage
+        self.pairs = pairs
+        self._buf = b""
+        self._loop = asyncio.get_running_loop()
+
+    async def feed(self, chunk: bytes) -> None:
+        data = self._buf + chunk if self._buf else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buf = data
+            return
+        self._buf = data[cut + 2:]
+        out = self._events(data[:cut + 2])
+        if out:
+            await self.resp.write(out)
+
+    async def finish(self) -> None:
+        """End of the upstream body: flush a trailing event, make sure the client gets a clean ending."""
+        if self._buf.strip():
+            out = self._events(self._buf + b"\n\n")
+            self._buf = b""
+            if out:
+                await self.resp.write(out)
+        m = self.meter
+        if not m.saw_done:
+            if m.error is None and not m.saw_finish:
+                m.error = GatewayError(502, "The upstream engine ended the stream early.", code="upstream_truncated")
+                await self.resp.write(m.error.sse_event())
+            await self.resp.write(DONE)
+
+    async def fail(self, err: GatewayError) -> None:
+        """The upstream broke mid-stream: an OpenAI-shaped error event and [DONE], never a silent cut."""
+        self.meter.error = err
+        await self.resp.write(err.sse_event() + DONE)
+
+    def _events(self, block: bytes) -> bytes:
+        m = self.meter
+        now = self._loop.time()
+        if m.saw_done:
+            return b""
+        # Fast path: a block of ordinary token events is forwarded as it came.
+        if (b"[DONE]" not in block and b'"usage"' not in block and b'"error"' not in block):
+            n = block.count(b"\n\n")
+            if is_token_event(block):
+                if m.t_first is None:
+                    m.t_first = now
+                m.t_last = now
+                m.token_events += n
+            if not m.saw_finish and (b'"finish_reason":"' in block or b'"finish_reason": "' in block):
+                m.saw_finish = True
+            return rewrite(block, self.pairs) if self.pairs else block
+        out = []
+        for ev in block.split(b"\n\n"):
+            if not ev.strip():
+                continue
+            kept = self._one(ev, now)
+            if kept is not None:
+                out.append(kept + b"\n\n")
+        return rewrite(b"".join(out), self.pairs) if self.pairs else b"".join(out)
+
+    def _one(self, ev: bytes, now: float) -> bytes | None:
+        m = self.meter
+        payload = ev[5:].strip() if ev.startswith(b"data:") else None
+        if payload is None:
+            return ev  # comments and other SSE fields pass through
+        if payload == b"[DONE]":
+            m.saw_done = True
+            return ev
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return ev
+        if not isinstance(obj, dict):
+            return ev
+        if obj.get("error"):
+            m.error = error_from_event(obj)
+            return m.error.sse_event()[:-2]
+        if isinstance(obj.get("usage"), dict):
+            m.usage = obj["usage"]
+        if is_token_event(ev):
+            if m.t_first is None:
+                m.t_first = now
+            m.t_last = now
+            m.token_events += 1
+        if any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or ()):
+            m.saw_finish = True
+        if self.strip_usage and obj.get("choices") == [] and "usage" in obj:
+            return None  # the usage chunk the gateway asked for on its own account
+        if self.strip_usage and obj.get("usage") is not None:
+            obj["usage"] = None  # continuous usage the client did not ask for
+            return b"data: " + orjson.dumps(obj)
+        return ev

@@ -1,0 +1,114 @@
+"""Request body -> RequestShape: cheap token estimates, expected output, session, prefix hashes and class (pure)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+from zlib import crc32
+
+from gateway.config import ShapeConfig
+from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, RequestShape
+
+# English text averages about four characters per token across the common BPE vocabularies.
+CHARS_PER_TOKEN = 4
+# Per-message template overhead (role markers, separators) in tokens, as chat templates render it.
+MESSAGE_OVERHEAD_TOKENS = 4
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: only text parts count
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
+    """The prompt as one canonical string, and how many messages it had (template overhead)."""
+    if route == "chat":
+        messages = body.get("messages") or ()
+        parts = []
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f"<{m.get('role', '')}>{_content_text(m.get('content'))}")
+        tools = body.get("tools")
+        if tools:  # templates render tool definitions into the system prefix
+            parts.insert(0, f"<tools>{tools!r}")
+        return "".join(parts), len(parts)
+    prompt = body.get("prompt") if route == "completions" else body.get("input")
+    if isinstance(prompt, list):
+        return "".join(p for p in prompt if isinstance(p, str)), 0
+    return (prompt if isinstance(prompt, str) else ""), 0
+
+
+def prefix_hashes(model: str, salt: str, text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of whole fixed-size character blocks: equal hash i means equal first i+1 blocks."""
+    n = min(len(text) // block_chars, max_blocks)
+    if n == 0:
+        return ()
+    data = text[: n * block_chars].encode("utf-8", "surrogatepass")
+    # Block boundaries in characters, not bytes, so that the same text always splits the same way.
+    h = crc32(f"{model}\x00{salt}".encode())
+    out = []
+    if len(data) == n * block_chars:  # ASCII fast path: characters are bytes
+        for i in range(n):
+            h = crc32(data[i * block_chars:(i + 1) * block_chars], h)
+            out.append(h)
+        return tuple(out)
+    for i in range(n):
+        h = crc32(text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass"), h)
+        out.append(h)
+    return tuple(out)
+
+
+def requested_output(body: Mapping[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens", "n_predict"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def session_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    sid = headers.get("x-session-id")
+    if sid:
+        return sid
+    for name in ("prompt_cache_key", "user"):
+        v = body.get(name)
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def classify(*, route: str, body: Mapping[str, Any], headers: Mapping[str, str], principal: str,
+             cfg: ShapeConfig, learned_output: float | None = None, session_in_flight: int = 0,
+             want_prefix: bool = True) -> RequestShape:
+    model = body["model"]
+    stream = body.get("stream") is True
+    text, n_messages = prompt_text(route, body)
+    prompt_tokens = len(text) // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * n_messages + 1
+    asked = requested_output(body)
+    if route == "embeddings":
+        output = 0
+    elif asked is not None:
+        output = asked
+    else:
+        output = int(learned_output) if learned_output else cfg.default_output_tokens
+    session = session_of(body, headers)
+    if route == "embeddings":
+        klass = DEFAULT
+    elif stream and session and session_in_flight == 0 and output < cfg.long_output_tokens:
+        klass = INTERACTIVE
+    elif prompt_tokens >= cfg.long_prompt_tokens and prompt_tokens >= output:
+        klass = LONG_PROMPT
+    elif output >= cfg.long_output_tokens:
+        klass = LONG_OUTPUT
+    else:
+        klass = DEFAULT
+    hashes: tuple[int, ...] = ()
+    if want_prefix and route != "embeddings":
+        salt = body.get("cache_salt")
+        hashes = prefix_hashes(model, salt if isinstance(salt, str) else "", text,
+                               cfg.prefix_block_chars, cfg.max_prefix_blocks)
+    return RequestShape(model=model, route=route, stream=stream, prompt_tokens=prompt_tokens,
+                        output_tokens=output, klass=klass, principal=principal,
+                        session_id=session, prefix_hashes=hashes)

@@ -1,0 +1,37 @@
+"""Shared fixtures: fake engines and a gateway in front of them, all on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fake_engine import FakeEngine, Knobs
+from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+
+
+@pytest.fixture
+async def engines():
+    started = [await FakeEngine(Knobs()).start(), await FakeEngine(Knobs()).start()]
+    yield started
+    for e in started:
+        await e.stop()
+
+
+@pytest.fixture
+async def gateway(engines):
+    cfg = gateway_config([
+        {"id": "vllm-a", "engine": "vllm", "url": engines[0].url, "models": {"m1": "native-m1", "m2": "m2"}},
+        {"id": "llama-b", "engine": "llamacpp", "url": engines[1].url, "models": {"m1": "m1.gguf"}},
+    ], routing={"policy": "round_robin"})
+    gw = await start_gateway(cfg)
+    yield gw
+    await gw.stop()
+
+
+@pytest.fixture
+def user_key():
+    return USER_KEY
+
+
+@pytest.fixture
+def admin_key():
+    return ADMIN_KEY
