@@ -2,63 +2,52 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any, AsyncIterator, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 import aiohttp
 import orjson
 
-from gateway.contracts import LoadSample, ProbeResult, UpstreamCall
+from backends.http1 import HostPool, Response
+from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                          "server", "date", "content-encoding"})
 
 
-class AiohttpReply:
-    """An upstream response being received; closing it mid-body drops the connection so the engine aborts."""
-
-    __slots__ = ("_resp", "status", "headers")
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status = resp.status
-        self.headers = resp.headers
-
-    def iter_chunks(self) -> AsyncIterator[bytes]:
-        return self._resp.content.iter_any()
-
-    async def read(self) -> bytes:
-        return await self._resp.read()
-
-    def close(self) -> None:
-        self._resp.close()
-
-
 def parse_gauges(text: str, wanted: Mapping[str, tuple[str, ...]]) -> dict[str, float]:
-    """Sum each wanted metric over its label sets from Prometheus text; the first name present wins."""
-    by_name: dict[str, float] = {}
-    names = {n for alternatives in wanted.values() for n in alternatives}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        end = line.find("{")
-        if end < 0:
-            end = line.find(" ")
-        name = line[:end]
-        if name in names:
-            try:
-                value = float(line.rsplit(" ", 1)[-1] if "}" not in line else line[line.rindex("}") + 1:].split()[0])
-            except (ValueError, IndexError):
-                continue
-            by_name[name] = by_name.get(name, 0.0) + value
-    out = {}
+    """Sum each wanted metric over its label sets from Prometheus text; the first name present wins.
+
+    Looks the wanted names up with str.find instead of splitting every line: an engine's /metrics
+    is mostly histogram buckets the gateway never reads, and it is scraped several times a second.
+    """
+    text = "\n" + text
+    out: dict[str, float] = {}
     for field, alternatives in wanted.items():
-        for n in alternatives:
-            if n in by_name:
-                out[field] = by_name[n]
+        for name in alternatives:
+            total = _sum_samples(text, name)
+            if total is not None:
+                out[field] = total
                 break
     return out
+
+
+def _sum_samples(text: str, name: str) -> float | None:
+    total = None
+    for key in ("\n" + name + "{", "\n" + name + " "):
+        i = text.find(key)
+        while i >= 0:
+            end = text.find("\n", i + 1)
+            line = text[i + 1:end] if end >= 0 else text[i + 1:]
+            rest = line[line.rindex("}") + 1:] if key[-1] == "{" and "}" in line else line[len(name):]
+            try:
+                value = float(rest.split()[0])  # a timestamp may follow the value
+            except (ValueError, IndexError):
+                value = None
+            if value is not None:
+                total = value if total is None else total + value
+            i = text.find(key, i + 1)
+    return total
 
 
 class OpenAIHTTPBackend:
@@ -66,6 +55,8 @@ class OpenAIHTTPBackend:
 
     engine: ClassVar[str] = "openai"
     health_path: ClassVar[str] = "/v1/models"
+    # A route that only says the process answers, for engines whose health route is expensive.
+    liveness_path: ClassVar[str | None] = None
     metrics_path: ClassVar[str | None] = None
     # Common load field -> the engine's metric names, newest first.
     metric_names: ClassVar[Mapping[str, tuple[str, ...]]] = {}
@@ -75,12 +66,17 @@ class OpenAIHTTPBackend:
     done_after_error: ClassVar[bool] = True
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
-                 connect_timeout: float = 2.0, idle_timeout: float = 60.0) -> None:
+                 connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,
+                 keepalive_s: float = 30.0) -> None:
         self.id = id
         self.url = url
-        self._session = session
+        self._session = session  # probes and scrapes; requests go through the lean pool below
+        self._pool: HostPool | None = None
+        self._limit = pool_limit
+        self._connect_timeout = connect_timeout
+        self._idle_timeout = idle_timeout
+        self._keepalive = keepalive_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=idle_timeout)
 
     # -- request translation -------------------------------------------------------------------
     def prepare(self, route: str, body: dict[str, Any], raw: bytes, native_model: str, force_usage: bool) -> bytes:
@@ -99,18 +95,23 @@ class OpenAIHTTPBackend:
         return orjson.dumps({**body, **changes})
 
     def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
-        h.update(client_headers)
-        h.update(self._auth)
+        h = {"Content-Type": "application/json", **client_headers}
+        if self._auth:
+            h.update(self._auth)
         return h
 
     # -- the network seam ----------------------------------------------------------------------
-    async def forward(self, call: UpstreamCall, timeout: float) -> AiohttpReply:
+    async def forward(self, call: UpstreamCall, timeout: float) -> Response:
         """Send one call; returns once the status line and headers arrived (within `timeout`)."""
-        async with asyncio.timeout(timeout):
-            resp = await self._session.post(self.url + call.path, data=call.body,
-                                            headers=self.headers(call.headers), timeout=self._timeout)
-        return AiohttpReply(resp)
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = HostPool(self.url, self._limit, self._connect_timeout, self._keepalive,
+                                         self._idle_timeout)
+        return await pool.request("POST", call.path, self.headers(call.headers), call.body, timeout)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
         t = aiohttp.ClientTimeout(total=timeout)
@@ -118,14 +119,16 @@ class OpenAIHTTPBackend:
             return resp.status, await resp.read()
 
     # -- health and load -----------------------------------------------------------------------
-    async def probe(self, timeout: float) -> ProbeResult:
+    async def probe(self, timeout: float, deep: bool = True) -> ProbeResult:
+        """The engine's health route, or with deep=False its cheap liveness route when it has one."""
+        liveness = not deep and self.liveness_path is not None
         try:
-            status, body = await self._get(self.health_path, timeout)
+            status, body = await self._get(self.liveness_path if liveness else self.health_path, timeout)
         except aiohttp.ClientConnectorError as e:
-            return ProbeResult(False, 0, f"connect failed: {e.os_error or e}", refused=True)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return ProbeResult(False, 0, f"{type(e).__name__}")
-        return ProbeResult(status == 200, status, self.health_detail(status, body))
+            return ProbeResult(False, 0, f"connect failed: {e.os_error or e}", refused=True, liveness_only=liveness)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return ProbeResult(False, 0, f"{type(e).__name__}", liveness_only=liveness)
+        return ProbeResult(status == 200, status, self.health_detail(status, body), liveness_only=liveness)
 
     def health_detail(self, status: int, body: bytes) -> str:
         if status == 200:
@@ -158,7 +161,7 @@ class OpenAIHTTPBackend:
             finally:
                 reply.close()
             return reply.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, UpstreamError, TimeoutError):
             return False
 
 

@@ -17,7 +17,9 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.health import load_loop, probe_loop
 from gateway.pipeline import GATEWAY, PRINCIPAL, REQUEST_ID
+from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.runtime import Gateway, new_request_id, stats_report
+from gateway.state import shared_state
 
 log = logging.getLogger("shapegate")
 
@@ -90,7 +92,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
-    ready = g.pool.is_ready() and not request.app.get(SHUTTING_DOWN, False)
+    ready = g.pool.is_ready() and not g.stopping
     return web.json_response({"ready": ready, "backends": {b.id: b.health.state for b in g.pool.all()}},
                              status=200 if ready else 503)
 
@@ -124,13 +126,25 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
                                     skip_auto_headers=("User-Agent", "Accept-Encoding"))
     g.attach(session)
     yield
+    for b in g.pool.all():
+        b.adapter.close()
     await session.close()
+
+
+async def routing_state(app: web.Application) -> AsyncIterator[None]:
+    """Replicas share prefix/session affinity through the configured store, off the request path."""
+    g: Gateway = app[GATEWAY]
+    async with shared_state(g.affinity, g.cfg.state):
+        yield
 
 
 async def background_loops(app: web.Application) -> AsyncIterator[None]:
     g: Gateway = app[GATEWAY]
-    tasks = [asyncio.create_task(probe_loop(g.pool, g.cfg.health), name="probe-loop"),
-             asyncio.create_task(load_loop(g.pool, g.cfg.health), name="load-loop"),
+    # The loops read g.cfg on every round, so a reloaded [health] section applies without a restart.
+    tasks = [asyncio.create_task(probe_loop(g.pool, lambda: g.cfg.health,
+                                            lambda b, state: g.metrics.health_change(b.id, state)),
+                                 name="probe-loop"),
+             asyncio.create_task(load_loop(g.pool, lambda: g.cfg.health), name="load-loop"),
              asyncio.create_task(_flush_loop(g), name="log-flush")]
     yield
     for t in tasks:
@@ -147,11 +161,12 @@ async def _flush_loop(g: Gateway) -> None:
         g.access_log.flush()
 
 
-def build_app(cfg: GatewayConfig) -> web.Application:
+def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=cfg.server.max_body_bytes,
                           handler_args={"tcp_keepalive": True})
     app[GATEWAY] = Gateway(cfg)
     app[SHUTTING_DOWN] = False
+    app[RELOADER] = Reloader(app[GATEWAY], config_path)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
@@ -160,7 +175,9 @@ def build_app(cfg: GatewayConfig) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_post("/admin/reload", admin_reload)
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_loops)
+    app.cleanup_ctx.append(routing_state)
     return app
 

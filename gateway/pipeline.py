@@ -6,13 +6,15 @@ import asyncio
 import time
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from gateway.admission import admit
 from gateway.contracts import Outcome, RequestShape, RouteInput, UpstreamCall
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
-                            upstream_failed, upstream_timeout)
+                            shutting_down, upstream_failed, upstream_timeout)
+from gateway.failover import (CONNECT_ERRORS, TRANSPORT_ERRORS, Retryable, charge_status, retry_after_header,
+                              retry_after_s)
 from gateway.relay import SSERelay, StreamMeter, model_rewriter, rewrite
 from gateway.shape import classify
 
@@ -67,10 +69,11 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     now = time.monotonic()
     candidates = g.pool.candidates(shape.model, shape.klass, now)
     if not candidates:
-        raise no_backend(shape.model)
+        raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
+    candidates = admit(candidates, shape.model, shape.klass, now, g.cfg.admission)
     policy = g.policy_for(shape.model)
-    affinity = g.affinity.lookup(shape) if g.affinity is not None else None
-    decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now))
+    affinity, cached = g.affinity.lookup(shape) if g.affinity is not None else (None, 0)
+    decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached))
     request[SHAPE] = shape
     request[REASON] = decision.reason
     return await dispatch(request, g, shape, body, raw, decision, t_in)
@@ -82,41 +85,61 @@ async def dispatch(request, g, shape: RequestShape, body, raw, decision, t_in: f
     fwd = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
     fwd["x-request-id"] = request[REQUEST_ID]
     deadline = time.monotonic() + cfg.routing.retry_deadline_s
+    max_attempts = cfg.routing.max_attempts
+    # A stream's class deadline for the first byte; the last candidate always gets first_byte_timeout_s.
+    class_ttft = cfg.upstream.ttft_deadline_s.get(shape.klass) if shape.stream else None
     last_error: GatewayError | None = None
+    failed: list[str] = []
+    suspects: list = []  # backends that answered HTTP 500: charged only if another engine then serves it
     tried = 0
-    for view in decision.ranked:
-        if tried >= cfg.routing.max_attempts or time.monotonic() >= deadline:
+    ranked = decision.ranked
+    for i, view in enumerate(ranked):
+        if tried >= max_attempts or time.monotonic() >= deadline:
             break
         b = g.pool.get(view.id)
         if b is None or not b.usable(time.monotonic()):
             continue
         tried += 1
+        first_byte_s = cfg.upstream.first_byte_timeout_s
+        if class_ttft is not None and tried < max_attempts and _another_usable(g, ranked, i):
+            first_byte_s = min(class_ttft, first_byte_s)
         native = b.models[shape.model]
         call = UpstreamCall(PATHS[shape.route], b.adapter.prepare(shape.route, body, raw, native, shape.stream),
                             fwd, shape.stream)
         request[BACKEND] = b.id
-        if tried > 1:
-            request[REASON] = f"{decision.reason}; failover after {last_error.code if last_error else 'error'}"
+        if failed:
+            request[REASON] = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
         try:
-            return await attempt(request, g, b, shape, body, call, native, t_in)
+            resp = await attempt(request, g, b, shape, body, call, native, t_in, first_byte_s)
         except Retryable as r:
             last_error = r.error
+            failed.append(b.id)
             g.metrics.retry(b.id)
+            if r.suspect:
+                if suspects:
+                    raise r.error from None  # two engines fail this request the same way: it is the request
+                suspects.append(b)
+            continue
+        now = time.monotonic()
+        for s in suspects:
+            s.breaker.on_failure(now)  # another engine served what this one answered with a 500
+        return resp
     if last_error is not None:
         raise last_error
-    raise no_backend(shape.model)
+    raise no_backend(shape.model, g.pool.retry_hint(shape.model, time.monotonic()))
 
 
-class Retryable(Exception):
-    """A failure before anything reached the client: the next candidate may take the request."""
-
-    def __init__(self, error: GatewayError) -> None:
-        super().__init__(error.message)
-        self.error = error
+def _another_usable(g, ranked, i: int) -> bool:
+    now = time.monotonic()
+    for v in ranked[i + 1:]:
+        b = g.pool.get(v.id)
+        if b is not None and b.usable(now):
+            return True
+    return False
 
 
 async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, native: str,
-                  t_in: float) -> web.StreamResponse:
+                  t_in: float, first_byte_s: float) -> web.StreamResponse:
     cfg = g.cfg
     loop_now = time.monotonic
     b.in_flight += 1
@@ -125,50 +148,64 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
     session = g.session_enter(request.headers, body)
     t0 = time.perf_counter()
     reply = None
-    outcome_ok, status, meter = False, 502, None
+    outcome_ok, engine_ok, status, meter = False, False, 502, None
     usage: dict | None = None
+    first_by = asyncio.get_running_loop().time() + first_byte_s
     try:
         try:
-            reply = await b.adapter.forward(call, cfg.upstream.first_byte_timeout_s)
-        except aiohttp.ClientConnectorError as e:
+            reply = await b.adapter.forward(call, first_byte_s)
+        except CONNECT_ERRORS as e:
+            # Nothing listens (process down or restarting): keep traffic away until probes say otherwise.
             b.breaker.on_failure(loop_now(), hold_s=cfg.health.breaker_open_s)
             raise Retryable(upstream_failed("could not connect to the engine")) from e
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except TRANSPORT_ERRORS as e:
             b.breaker.on_failure(loop_now())
-            raise Retryable(upstream_timeout("no response") if isinstance(e, TimeoutError)
+            raise Retryable(upstream_timeout("no response in time") if isinstance(e, TimeoutError)
                             else upstream_failed("connection lost before the response")) from e
         status = reply.status
         if status >= 400:
             err = normalize_engine_error(status, await _read_quietly(reply))
-            if status >= 500 or status == 429:
-                b.breaker.on_failure(loop_now(), hold_s=_retry_after(reply.headers, status))
-                raise Retryable(err)
-            g.metrics.client_error(b.id, status)
-            raise err  # the client's own request: never retried, never counts against the engine
+            charge = charge_status(status)
+            if charge == "client":
+                engine_ok = True  # the engine answered properly; the request was at fault
+                g.metrics.client_error(b.id, status)
+                raise err  # never retried, never counted against the engine
+            if charge == "hold":
+                hold = retry_after_s(reply.headers, cfg.health.overload_hold_s)
+                b.breaker.on_failure(loop_now(), hold_s=hold)
+                err.headers["Retry-After"] = retry_after_header(hold)
+            elif charge == "failure":
+                b.breaker.on_failure(loop_now())
+            raise Retryable(err, suspect=charge == "suspect")
         pairs = model_rewriter(native, shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(request, g, b, reply, meter, pairs, body)
+            resp = await stream_reply(request, g, b, reply, meter, pairs, body, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
             return resp
         try:
             data = await reply.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except TRANSPORT_ERRORS as e:
             b.breaker.on_failure(loop_now())
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
         usage = _usage_of(data)
         outcome_ok = True
         return web.Response(body=rewrite(data, pairs) if pairs else data, status=status,
                             headers=g.reply_headers(request, reply.headers))
+    except Retryable as r:
+        status = r.error.status
+        raise
     finally:
         b.in_flight -= 1
         g.session_exit(session)
         if reply is not None:
             reply.close()
-        if outcome_ok:
+        if outcome_ok or engine_ok:
             b.breaker.on_success()
+        else:
+            b.breaker.release()  # no verdict (client left, a 500 still under judgement): free a half-open trial
         g.record(request, b, shape, Outcome(
             backend=b.id, shape=shape, ok=outcome_ok, status=status,
             ttft=(meter.t_first - t0) if meter and meter.t_first is not None else None,
@@ -179,18 +216,18 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
             cached_tokens=_cached(usage), running_at_start=running_at_start), t_in, t0)
 
 
-async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body) -> web.StreamResponse:
+async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, first_by: float) -> web.StreamResponse:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
-    cfg = g.cfg
     chunks = reply.iter_chunks().__aiter__()
     try:
-        async with asyncio.timeout(cfg.upstream.first_byte_timeout_s):
+        async with asyncio.timeout_at(first_by):  # one deadline from sending the request to the first byte
             first = await chunks.__anext__()
     except StopAsyncIteration:
-        first = b""
-    except (aiohttp.ClientError, TimeoutError) as e:
         b.breaker.on_failure(time.monotonic())
-        raise Retryable(upstream_timeout("no first token") if isinstance(e, TimeoutError)
+        raise Retryable(upstream_failed("the engine closed the stream without sending anything")) from None
+    except TRANSPORT_ERRORS as e:
+        b.breaker.on_failure(time.monotonic())
+        raise Retryable(upstream_timeout("no first token in time") if isinstance(e, TimeoutError)
                         else upstream_failed("connection lost before the first token")) from e
     if first.startswith((b'data: {"error"', b'data:{"error"')):
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
@@ -205,17 +242,33 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body) ->
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, pairs=pairs)
+    task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
+    g.streams.add(task)
     try:
-        if first:
-            await relay.feed(first)
-        async for chunk in chunks:
+        await relay.feed(first)
+        while True:
+            # Only reading from the engine is guarded: a failed write means the client left, not the engine.
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except TRANSPORT_ERRORS as e:
+                b.breaker.on_failure(time.monotonic())
+                g.metrics.stream_error(b.id)
+                # The client has seen output: no failover now, an OpenAI error event and [DONE] instead.
+                await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
+                                 else upstream_failed("the engine stopped mid-stream"))
+                return resp
             await relay.feed(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-            TimeoutError) as e:
-        b.breaker.on_failure(time.monotonic())
-        await relay.fail(upstream_failed("the engine stopped mid-stream") if not isinstance(e, TimeoutError)
-                         else upstream_timeout("the engine stalled mid-stream"))
+    except asyncio.CancelledError:
+        if not g.cutting:
+            raise  # the client went away
+        # The shutdown grace period ran out: end the stream with an error event rather than cut it.
+        task.uncancel()
+        await relay.fail(shutting_down())
         return resp
+    finally:
+        g.streams.discard(task)
     await relay.finish()
     return resp
 
@@ -223,18 +276,8 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body) ->
 async def _read_quietly(reply) -> bytes:
     try:
         return await reply.read()
-    except (aiohttp.ClientError, TimeoutError):
+    except TRANSPORT_ERRORS:
         return b""
-
-
-def _retry_after(headers, status: int) -> float | None:
-    if status not in (429, 503):
-        return None
-    v = headers.get("Retry-After")
-    try:
-        return min(float(v), 120.0) if v is not None else None
-    except ValueError:
-        return None
 
 
 def _usage_of(data: bytes) -> dict | None:

@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.pipeline import BACKEND, REASON, REQUEST_ID
 from gateway.pool import BackendState, Pool
 from gateway.shape import session_of
+from gateway.state import AffinityIndex
 from gateway.stats import OutputEstimator
 
 SAFE_UPSTREAM_HEADERS = ("content-type",)
@@ -72,13 +73,21 @@ class Gateway:
                                for name, m in cfg.routing.models.items()}
         self.wants_prefix = any(getattr(p, "needs_prefix", False)
                                 for p in (self.default_policy, *self.model_policies.values()))
-        self.affinity = None
+        # Prefix/session -> backend, only when some policy uses it (hashing prompts costs CPU otherwise).
+        self.affinity = AffinityIndex(max_entries=cfg.state.affinity_max_entries, ttl_s=cfg.state.affinity_ttl_s,
+                                      block_chars=cfg.shape.prefix_block_chars,
+                                      shared=cfg.state.backend == "redis") if self.wants_prefix else None
         self.pool = Pool([])
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.access_log = AccessLog(cfg.server.access_log)
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
+        # Shutdown: `stopping` turns /readyz false; `cutting` marks the end of the grace period, when
+        # streams still running (their handler tasks are in `streams`) are ended with an error event.
+        self.stopping = False
+        self.cutting = False
+        self.streams: set = set()
 
     def attach(self, session: aiohttp.ClientSession) -> None:
         """Create the backend adapters on the shared client session."""
@@ -90,7 +99,8 @@ class Gateway:
         api_key = os.environ.get(bc.api_key_env) if bc.api_key_env else None
         adapter = backends.REGISTRY[bc.engine](
             id=bc.id, url=bc.url, session=self.session, api_key=api_key,
-            connect_timeout=self.cfg.upstream.connect_timeout_s, idle_timeout=self.cfg.upstream.idle_timeout_s)
+            connect_timeout=self.cfg.upstream.connect_timeout_s, idle_timeout=self.cfg.upstream.idle_timeout_s,
+            pool_limit=self.cfg.upstream.pool_limit_per_backend, keepalive_s=self.cfg.upstream.keepalive_s)
         return BackendState(bc, adapter, self.cfg)
 
     def policy_for(self, model: str) -> Policy:
@@ -127,7 +137,9 @@ class Gateway:
     def record(self, request: web.Request, b: BackendState, shape: RequestShape, o: Outcome,
                t_in: float, t_upstream: float) -> None:
         now = time.monotonic()
-        b.latency.learn(o, now)
+        load = b.load
+        b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
+                        slots=load.total_slots if load is not None else None)
         b.stats.add(o, now)
         policy = self.policy_for(shape.model)
         policy.observe(o)

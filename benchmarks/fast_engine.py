@@ -1,0 +1,107 @@
+"""A zero-delay OpenAI-style engine on raw asyncio (uvloop): the floor the gateway is measured against."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import orjson
+import uvloop
+
+MODEL = "bench"
+
+
+def _nonstream_reply() -> bytes:
+    text = " ".join(f"tok{i}" for i in range(16))
+    body = orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": MODEL,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}})
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _stream_events(n: int) -> list[bytes]:
+    def ev(obj) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+    base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+    events = [ev({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]})]
+    events += [ev({**base, "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]})
+               for i in range(n)]
+    events.append(ev({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}))
+    events.append(ev({**base, "choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": n,
+                                                        "total_tokens": 8 + n}}))
+    events.append(b"data: [DONE]\n\n")
+    return [_chunk(e) for e in events]
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+
+class EngineProtocol(asyncio.Protocol):
+    """Keep-alive HTTP/1.1: reads whole requests, answers each at once."""
+
+    def __init__(self, nonstream: bytes, stream: list[bytes], stream_no_usage: list[bytes]) -> None:
+        self.buf = b""
+        self.nonstream = nonstream
+        self.stream = stream
+        self.stream_no_usage = stream_no_usage
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            i = head.find(b"content-length:")
+            length = 0
+            if i >= 0:
+                j = head.find(b"\r\n", i)
+                length = int(head[i + 15:j if j > 0 else len(head)])
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            if not head.startswith(b"post"):
+                self.transport.write(HEALTH)
+            elif b'"stream":true' in body or b'"stream": true' in body:
+                self.transport.write(STREAM_HEAD)
+                events = self.stream if b'"include_usage":true' in body or b'"include_usage": true' in body \
+                    else self.stream_no_usage
+                for c in events:
+                    self.transport.write(c)
+                self.transport.write(b"0\r\n\r\n")
+            else:
+                self.transport.write(self.nonstream)
+
+
+async def serve(host: str, port: int, chunks: int) -> None:
+    loop = asyncio.get_running_loop()
+    stream = _stream_events(chunks)
+    no_usage = stream[:-2] + stream[-1:]
+    server = await loop.create_server(lambda: EngineProtocol(_nonstream_reply(), stream, no_usage), host, port,
+                                      backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=200)
+    a = p.parse_args()
+    uvloop.run(serve(a.host, a.port, a.chunks))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The lean upstream HTTP/1.1 client against real servers: framing, keep-alive, stale connections, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backends.http1 import HostPool
+from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
+from tests.fake_engine import FakeEngine, Knobs, free_port
+
+
+async def raw_server(handler):
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+def pool(url: str, **kw) -> HostPool:
+    return HostPool(url, limit=kw.get("limit", 8), connect_timeout=1.0, keepalive_s=30.0,
+                    idle_timeout=kw.get("idle", 5.0))
+
+
+async def test_content_length_chunked_and_keepalive_reuse():
+    e = await FakeEngine(Knobs()).start()
+    try:
+        p = pool(e.url)
+        r = await p.request("POST", "/v1/chat/completions", {"Content-Type": "application/json"},
+                            b'{"model":"m","messages":[],"max_tokens":3}', 5)
+        assert r.status == 200 and b'"w0 w1 w2"' in await r.read()
+        r.close()
+        first = p.idle[0]
+        r = await p.request("POST", "/v1/chat/completions", {"Content-Type": "application/json"},
+                            b'{"model":"m","messages":[],"max_tokens":3,"stream":true}', 5)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = b"".join([c async for c in r.iter_chunks()])
+        assert body.count(b"data: ") == 6 and body.endswith(b"data: [DONE]\n\n")
+        r.close()
+        assert p.idle[0] is first and first.used == 2, "the connection was kept alive and reused"
+        p.close()
+    finally:
+        await e.stop()
+
+
+async def test_stale_keepalive_connection_is_retried_on_a_fresh_one():
+    served = []
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # closes the keep-alive connection right after answering
+
+    server, url = await raw_server(handler)
+    async with server:
+        p = pool(url)
+        for _ in range(3):
+            r = await p.request("POST", "/x", {}, b"{}", 5)
+            assert await r.read() == b"ok"
+            r.close()
+        assert len(served) == 3
+        p.close()
+
+
+async def test_until_close_body_and_connection_refused():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
+        await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    async with server:
+        p = pool(url)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        assert await r.read() == b"all of it"
+        r.close()
+        assert not p.idle
+    with pytest.raises(UpstreamConnectError):
+        await pool(f"http://127.0.0.1:{free_port()}").request("POST", "/x", {}, b"", 5)
+
+
+async def test_disconnect_mid_body_and_idle_timeout():
+    async def cut(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        writer.transport.abort()
+
+    server, url = await raw_server(cut)
+    async with server:
+        p = pool(url)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        with pytest.raises(UpstreamDisconnected):
+            await r.read()
+        r.close()
+
+    writers = []
+
+    async def stall(reader, writer):
+        writers.append(writer)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+
+    server, url = await raw_server(stall)
+    async with server:
+        p = pool(url, idle=0.2)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        chunks = r.iter_chunks()
+        assert await chunks.__anext__() == b"abc"
+        with pytest.raises(TimeoutError):
+            await chunks.__anext__()
+        r.close()
+        assert p.sem._value == 8, "every slot given back"
+        for w in writers:
+            w.close()
+
+
+async def test_head_timeout_aborts_connection():
+    e = await FakeEngine(Knobs(hang=True)).start()
+    try:
+        p = pool(e.url)
+        with pytest.raises(TimeoutError):
+            await p.request("POST", "/v1/chat/completions", {}, b'{"model":"m"}', 0.2)
+        await asyncio.sleep(0.1)
+        assert e.knobs.aborted == 1 and not p.idle and p.sem._value == 8
+    finally:
+        await e.stop()

@@ -1,0 +1,70 @@
+"""SSE relay: token detection, usage stripping, model rewrite, the added [DONE] and the truncation error."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.relay import SSERelay, StreamMeter, is_token_event, model_rewriter
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.out = b""
+
+    async def write(self, data: bytes) -> None:
+        self.out += data
+
+
+def ev(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+ROLE = ev({"model": "n", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+NULL = ev({"model": "n", "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]})
+TOK = ev({"model": "n", "choices": [{"index": 0, "delta": {"content": "hi"}}]})
+FIN = ev({"model": "n", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+USAGE = ev({"model": "n", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("event,token", [(ROLE, False), (NULL, False), (TOK, True), (FIN, False), (USAGE, False),
+                                         (b'data: {"choices":[{"text": "x"}]}\n\n', True),
+                                         (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}', True)])
+def test_token_event_detection(event, token):
+    assert is_token_event(event) is token
+
+
+async def feed_all(relay, data: bytes, step: int) -> None:
+    for i in range(0, len(data), step):
+        await relay.feed(data[i:i + step])
+    await relay.finish()
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+async def test_relay_strips_usage_rewrites_model_any_chunking(step):
+    sink, meter = Sink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=True, pairs=model_rewriter("n", "public"))
+    await feed_all(relay, ROLE + TOK + TOK + FIN + USAGE + DONE, step)
+    assert b'"choices":[]' not in sink.out and b'"model":"public"' in sink.out and b'"model":"n"' not in sink.out
+    assert sink.out.endswith(DONE) and sink.out.count(DONE) == 1
+    assert meter.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert meter.token_events == 2 and meter.t_first is not None and meter.saw_finish
+
+
+async def test_relay_keeps_usage_when_asked_and_adds_done_after_error():
+    sink, meter = Sink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=False, pairs=())
+    err = ev({"error": {"code": 500, "message": "slot died", "type": "server_error"}})
+    await feed_all(relay, NULL + TOK + err, 10_000)
+    assert sink.out.endswith(DONE)
+    error_event = [line for line in sink.out.split(b"\n\n") if b'"error"' in line][0]
+    payload = orjson.loads(error_event[6:])
+    assert set(payload["error"]) >= {"message", "type", "param", "code"} and meter.error is not None
+
+
+async def test_relay_reports_truncation_when_stream_ends_without_finish():
+    sink, meter = Sink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=True, pairs=())
+    await feed_all(relay, ROLE + TOK, 10_000)
+    assert b"upstream_truncated" in sink.out and sink.out.endswith(DONE)
