@@ -42,10 +42,12 @@ class LatencyEstimate:
     prefill_rate: float  # uncached prompt tokens per second
     itl_a: float  # ITL with one running stream
     itl_b: float  # extra ITL per additional running stream
-    samples: int  # how many measured requests taught it
+    samples: int  # how many measured requests taught it (after forgetting: stale models count fewer)
+    ttft_per_running: float = 0.0  # extra TTFT per request already running on the engine
+    service_s: float = 0.0  # mean time a request occupies the engine (turns a queue length into a wait)
 
-    def ttft(self, prompt_tokens: int, wait: float = 0.0) -> float:
-        return wait + self.ttft_t0 + prompt_tokens / self.prefill_rate
+    def ttft(self, prompt_tokens: int, wait: float = 0.0, running: float = 0.0) -> float:
+        return wait + self.ttft_t0 + prompt_tokens / self.prefill_rate + self.ttft_per_running * running
 
     def itl(self, running: float) -> float:
         return self.itl_a + self.itl_b * max(running - 1.0, 0.0)
@@ -83,6 +85,7 @@ class RouteInput:
     candidates: tuple[BackendView, ...]
     affinity: str | None = None  # backend id that last served this session or prefix
     now: float = 0.0
+    affinity_tokens: int = 0  # prompt tokens that backend likely still holds in its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,7 @@ class ProbeResult:
     status: int  # HTTP status, 0 when the connection failed
     detail: str = ""
     refused: bool = False  # connection refused: not up yet (vLLM/SGLang while loading)
+    liveness_only: bool = False  # a cheap "process answers" check (SGLang /ping): never proof of readiness
 
 
 class Backend(Protocol):
@@ -164,6 +168,18 @@ class Backend(Protocol):
 
     async def forward(self, call: UpstreamCall, timeout: float) -> UpstreamReply: ...
 
-    async def probe(self, timeout: float) -> ProbeResult: ...
+    async def probe(self, timeout: float, deep: bool = True) -> ProbeResult: ...
 
     async def sample_load(self, timeout: float) -> LoadSample | None: ...
+
+
+class UpstreamError(Exception):
+    """A transport failure talking to a backend (no HTTP status to relay)."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """The backend could not be reached: refused, unreachable, or the connect timed out."""
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The backend closed or reset the connection before the response was complete."""
