@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 from typing import AsyncIterator
 
@@ -14,6 +16,7 @@ from aiohttp import web
 
 from gateway import pipeline
 from gateway.config import GatewayConfig
+from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
 from gateway.health import load_loop, probe_loop
 from gateway.pipeline import GATEWAY, PRINCIPAL, REQUEST_ID
@@ -107,11 +110,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
-    g.auth.require_admin(request.headers)
+    # An admin key, or the dashboard's signed sign-in cookie.
+    if session_principal(request, request.app[DASHBOARD_SECRET]) is None:
+        g.auth.require_admin(request.headers)
     return web.Response(body=orjson.dumps(stats_report(g)), content_type="application/json")
 
 
 SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
+DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
+
+
+def dashboard_secret(cfg: GatewayConfig) -> bytes:
+    """The cookie-signing secret: from the environment (replicas share it), else random per process."""
+    env = cfg.dashboard.session_secret_env
+    value = os.environ.get(env, "") if env else ""
+    if env and len(value) < 16:
+        raise ValueError(f"environment variable {env} must hold a dashboard secret of at least 16 characters")
+    return value.encode() if value else secrets.token_bytes(32)
 
 
 async def client_session(app: web.Application) -> AsyncIterator[None]:
@@ -175,6 +190,12 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app[DASHBOARD_SECRET] = dashboard_secret(cfg)
+    if cfg.dashboard.enabled:
+        gw = app[GATEWAY]
+        setup_dashboard(app, admin_for_key=gw.auth.admin_for_key, session_secret=app[DASHBOARD_SECRET],
+                        stats_provider=lambda: stats_report(gw), secure_cookie=cfg.dashboard.secure_cookie,
+                        session_ttl_s=cfg.dashboard.session_ttl_s)
     app.router.add_post("/admin/reload", admin_reload)
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_loops)

@@ -60,6 +60,19 @@ class UpstreamConfig(Strict):
     pool_limit: int = Field(1024, ge=1)
     pool_limit_per_backend: int = Field(512, ge=1)
     keepalive_s: float = Field(30.0, gt=0)
+    # Per request class: a stream whose engine sent nothing within this long fails over to the next
+    # candidate (the last candidate still gets first_byte_timeout_s). Classes not named use that too.
+    ttft_deadline_s: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("ttft_deadline_s")
+    @classmethod
+    def _deadline_classes(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, seconds in v.items():
+            if name not in CLASS_NAMES:
+                raise ValueError(f"unknown class {name!r}; expected one of {', '.join(CLASS_NAMES)}")
+            if not seconds > 0:
+                raise ValueError(f"the deadline of {name!r} must be greater than 0")
+        return v
 
 
 class ModelRouting(Strict):
@@ -76,7 +89,8 @@ class RoutingConfig(Strict):
 
 
 class ShapeConfig(Strict):
-    long_prompt_tokens: int = Field(1024, ge=1)
+    long_prompt_tokens: int = Field(768, ge=1)
+    prefill_ratio: float = Field(2.0, ge=0)  # a long prompt must also be this many times the expected output
     long_output_tokens: int = Field(512, ge=1)
     default_output_tokens: int = Field(256, ge=1)
     prefix_block_chars: int = Field(256, ge=16)
@@ -94,7 +108,28 @@ class HealthConfig(Strict):
     load_stale_s: float = Field(3.0, gt=0)
     breaker_failures: int = Field(5, ge=1)
     breaker_open_s: float = Field(5.0, gt=0)
+    overload_hold_s: float = Field(1.0, gt=0)
+    backoff_max_s: float = Field(2.0, gt=0)
     warmup: bool = True
+    warmup_timeout_s: float = Field(10.0, gt=0)
+
+
+class AdmissionConfig(Strict):
+    """When every candidate is saturated, answer at once with Retry-After instead of queueing without bound."""
+
+    max_waiting: float | None = Field(None, ge=0)
+    max_in_flight: int | None = Field(None, ge=1)
+    slot_classes: tuple[str, ...] = ()
+    status: Literal[429, 503] = 503
+    retry_after_s: int = Field(1, ge=1, le=120)
+
+    @field_validator("slot_classes")
+    @classmethod
+    def _known_slot_classes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if name not in CLASS_NAMES:
+                raise ValueError(f"unknown class {name!r}; expected one of {', '.join(CLASS_NAMES)}")
+        return v
 
 
 class StateConfig(Strict):
@@ -102,7 +137,9 @@ class StateConfig(Strict):
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "shapegate:"
     affinity_ttl_s: float = Field(600.0, gt=0)
+    affinity_max_entries: int = Field(100_000, ge=16)  # prefix blocks and sessions kept; least recent go first
     flush_interval_s: float = Field(0.5, gt=0)
+    redis_timeout_s: float = Field(0.25, gt=0)  # one background Redis call; on timeout the state stays local
 
 
 class MetricsConfig(Strict):
@@ -110,9 +147,18 @@ class MetricsConfig(Strict):
     require_admin: bool = False
 
 
+class DashboardConfig(Strict):
+    enabled: bool = True
+    secure_cookie: bool = True  # the sign-in cookie is sent over HTTPS only; false for plain-HTTP loopback
+    session_secret_env: str | None = None  # env var holding the cookie-signing secret (shared by replicas)
+    session_ttl_s: float = Field(43200.0, gt=0)
+
+
 class StatsConfig(Strict):
     window_s: float = Field(60.0, gt=0)
     max_samples: int = Field(2048, ge=16)
+    model_half_life_s: float = Field(120.0, gt=0)  # the latency model forgets samples at this pace
+    warmup_samples: int = Field(1, ge=0)  # first samples after a backend becomes ready do not teach the model
 
 
 class LatencyHints(Strict):
@@ -170,9 +216,11 @@ class GatewayConfig(Strict):
     routing: RoutingConfig = RoutingConfig()
     shape: ShapeConfig = ShapeConfig()
     health: HealthConfig = HealthConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     state: StateConfig = StateConfig()
     metrics: MetricsConfig = MetricsConfig()
     stats: StatsConfig = StatsConfig()
+    dashboard: DashboardConfig = DashboardConfig()
     backends: tuple[BackendConfig, ...] = Field(min_length=1)
 
     @model_validator(mode="before")

@@ -24,6 +24,7 @@ def gateway_config(backends: list[dict[str, Any]], **sections: Any) -> dict[str,
         "auth": {"keys": [{"id": "user", "sha256": hash_key(USER_KEY)},
                           {"id": "ops", "sha256": hash_key(ADMIN_KEY), "admin": True}]},
         "server": {"access_log": False},
+        "dashboard": {"secure_cookie": False},
         "health": {"interval_s": 0.1, "timeout_s": 1.0, "warmup": False, "load_interval_s": 0.2},
         "backends": backends,
     }

@@ -1,0 +1,246 @@
+"""Dashboard HTTP routes: admin sign-in, signed session cookie, the static page and its JSON feed."""
+
+from __future__ import annotations
+
+import html
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.dashboard.session import check_secret, issue_token, verify_token
+
+log = logging.getLogger(__name__)
+
+COOKIE_NAME = "shapegate_dash"
+DEFAULT_SESSION_TTL_S = 12 * 3600.0
+STATIC_DIR = Path(__file__).parent / "static"
+
+StatsProvider = Callable[[], Awaitable[dict[str, Any]] | dict[str, Any]]
+
+_CONTENT_TYPES = {
+    ".html": "text/html",
+    ".js": "text/javascript",
+    ".css": "text/css",
+    ".svg": "image/svg+xml",
+}
+# The page is all same-origin and script-built; nothing inline or remote may run in it.
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+_ERROR_MARK = b"<!--login-error-->"
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    admin_for_key: Callable[[str], str | None]
+    secret: bytes
+    stats_provider: StatsProvider
+    secure_cookie: bool
+    ttl_s: float
+    clock: Callable[[], float]
+    assets: Mapping[str, tuple[bytes, str]]
+
+
+DASHBOARD = web.AppKey("shapegate_dashboard", DashboardSettings)
+
+
+def setup_dashboard(
+    app: web.Application,
+    *,
+    admin_for_key: Callable[[str], str | None],
+    session_secret: bytes,
+    stats_provider: StatsProvider,
+    secure_cookie: bool = True,
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Register /dashboard, /dashboard/{login,logout,feed} and /dashboard/static/{file}.
+
+    An admin is a request whose `Authorization: Bearer` or `x-api-key` key maps to a principal
+    through `admin_for_key`, or one carrying a valid `shapegate_dash` session cookie. Anyone else
+    asking for /dashboard gets the sign-in form (200) when the client accepts text/html, and a 401
+    in OpenAI error shape otherwise; /dashboard/feed always answers 401 to them.
+
+    `stats_provider` returns the feed dict, sync or async; its failure is a 503, not a traceback.
+    `secure_cookie` must stay True whenever the gateway is reached over TLS; only a plain-HTTP
+    loopback listener (tests, local use) may turn it off, since browsers drop Secure cookies there.
+    Sessions are stateless: signing out clears the browser's copy, rotating the secret ends them all.
+    """
+    check_secret(session_secret)
+    if session_ttl_s <= 0:
+        raise ValueError("session_ttl_s must be positive")
+    app[DASHBOARD] = DashboardSettings(
+        admin_for_key=admin_for_key,
+        secret=session_secret,
+        stats_provider=stats_provider,
+        secure_cookie=secure_cookie,
+        ttl_s=session_ttl_s,
+        clock=clock,
+        assets=_load_assets(STATIC_DIR),
+    )
+    app.router.add_get("/dashboard", _page)
+    app.router.add_post("/dashboard/login", _login)
+    app.router.add_post("/dashboard/logout", _logout)
+    app.router.add_get("/dashboard/feed", _feed)
+    app.router.add_get("/dashboard/static/{file}", _static)
+
+
+def session_principal(request: web.Request, secret: bytes, *, now: float | None = None) -> str | None:
+    """Admin principal carried by the request's dashboard cookie, if validly signed and unexpired."""
+    return verify_token(
+        request.cookies.get(COOKIE_NAME), secret, now=time.time() if now is None else now
+    )
+
+
+def _load_assets(folder: Path) -> Mapping[str, tuple[bytes, str]]:
+    # Read once at build time: a handful of small files, served from memory with no path
+    # handling at request time, so no request can name anything outside this set.
+    assets = {
+        path.name: (path.read_bytes(), _CONTENT_TYPES[path.suffix])
+        for path in folder.iterdir()
+        if path.is_file() and path.suffix in _CONTENT_TYPES
+    }
+    for needed in ("index.html", "login.html", "dashboard.js", "dashboard.css"):
+        if needed not in assets:
+            raise RuntimeError(f"dashboard asset missing: {needed}")
+    return MappingProxyType(assets)
+
+
+def _header_key(request: web.Request) -> str | None:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("x-api-key", "").strip() or None
+
+
+def _principal(request: web.Request, settings: DashboardSettings) -> str | None:
+    key = _header_key(request)
+    if key is not None:
+        principal = settings.admin_for_key(key)
+        if principal:
+            return principal
+    return verify_token(request.cookies.get(COOKIE_NAME), settings.secret, now=settings.clock())
+
+
+def _error(status: int, message: str, err_type: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    return web.Response(
+        status=status,
+        body=orjson.dumps(body),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def _unauthorized() -> web.Response:
+    return _error(
+        401,
+        "The dashboard needs an admin API key (Authorization: Bearer or x-api-key) or a session.",
+        "authentication_error",
+        "invalid_api_key",
+    )
+
+
+def _html(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status,
+        body=body,
+        content_type="text/html",
+        charset="utf-8",
+        headers={**_SECURITY_HEADERS, "Cache-Control": "no-store"},
+    )
+
+
+def _login_page(settings: DashboardSettings, *, status: int, error: str | None) -> web.Response:
+    body, _ = settings.assets["login.html"]
+    if error:
+        notice = f'<p class="login-error" role="alert" data-testid="login-error">{html.escape(error)}</p>'
+        body = body.replace(_ERROR_MARK, notice.encode())
+    return _html(body, status)
+
+
+async def _page(request: web.Request) -> web.Response:
+    settings = request.app[DASHBOARD]
+    if _principal(request, settings):
+        return _html(settings.assets["index.html"][0])
+    # Browsers get the sign-in form; API clients get a machine-readable 401.
+    if "text/html" in request.headers.get("Accept", ""):
+        return _login_page(settings, status=200, error=None)
+    return _unauthorized()
+
+
+async def _login(request: web.Request) -> web.Response:
+    settings = request.app[DASHBOARD]
+    form = await request.post()
+    key = form.get("key")
+    key = key.strip() if isinstance(key, str) else ""
+    principal = settings.admin_for_key(key) if key else None
+    if not principal:
+        return _login_page(settings, status=401, error="That key is not an admin key.")
+    token = issue_token(principal, settings.secret, now=settings.clock(), ttl_s=settings.ttl_s)
+    response = web.Response(status=303, headers={"Location": "/dashboard", "Cache-Control": "no-store"})
+    response.set_cookie(
+        COOKIE_NAME,
+        token,
+        max_age=int(settings.ttl_s),
+        path="/",
+        httponly=True,
+        samesite="Strict",
+        secure=settings.secure_cookie,
+    )
+    return response
+
+
+async def _logout(request: web.Request) -> web.Response:
+    # Tokens are stateless: this clears the browser's copy; rotating session_secret revokes all.
+    settings = request.app[DASHBOARD]
+    response = web.Response(status=303, headers={"Location": "/dashboard", "Cache-Control": "no-store"})
+    response.del_cookie(
+        COOKIE_NAME, path="/", httponly=True, samesite="Strict", secure=settings.secure_cookie
+    )
+    return response
+
+
+async def _feed(request: web.Request) -> web.Response:
+    settings = request.app[DASHBOARD]
+    if not _principal(request, settings):
+        return _unauthorized()
+    try:
+        stats = settings.stats_provider()
+        if inspect.isawaitable(stats):
+            stats = await stats
+        body = orjson.dumps(stats)
+    except Exception:
+        # The page shows the feed as stale; the traceback goes to the log, not to the browser.
+        log.exception("dashboard stats provider failed")
+        return _error(503, "Stats are unavailable right now.", "server_error", "stats_unavailable")
+    return web.Response(
+        body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
+    )
+
+
+async def _static(request: web.Request) -> web.Response:
+    asset = request.app[DASHBOARD].assets.get(request.match_info["file"])
+    if asset is None:
+        return _error(404, "No such dashboard asset.", "invalid_request_error", "not_found")
+    body, content_type = asset
+    return web.Response(
+        body=body,
+        content_type=content_type,
+        charset="utf-8",
+        headers={**_SECURITY_HEADERS, "Cache-Control": "no-cache"},
+    )

@@ -1,0 +1,323 @@
+// shapegate dashboard: polls /dashboard/feed every second, keeps 5 minutes of history, draws it.
+'use strict';
+
+(() => {
+  const FEED_URL = '/dashboard/feed';
+  const POLL_MS = 1000;
+  const FETCH_TIMEOUT_MS = 2500;
+  const HISTORY_S = 300;
+  // A missing poll longer than this is drawn as a gap, so an outage is visible in every chart.
+  const GAP_S = 3.5;
+  const STALE_AFTER_S = 3;
+  const PALETTE = ['#4e9bff', '#ffa94d', '#38d9a9', '#f783ac', '#ffd43b', '#b197fc', '#ff6b6b', '#66d9e8'];
+  const CLASS_ORDER = ['interactive', 'long_prompt', 'long_output', 'default'];
+
+  const pct = (v) => (v == null ? null : v * 100);
+  const CHARTS = [
+    { id: 'ttft_p50', title: 'TTFT p50', unit: 'ms', get: (b) => b.overall?.ttft_ms?.p50 },
+    { id: 'ttft_p99', title: 'TTFT p99', unit: 'ms', get: (b) => b.overall?.ttft_ms?.p99 },
+    { id: 'itl_p50', title: 'ITL p50', unit: 'ms', get: (b) => b.overall?.itl_ms?.p50 },
+    { id: 'output_tps', title: 'Throughput', unit: 'out tok/s', get: (b) => b.overall?.output_tps },
+    { id: 'rps', title: 'Requests', unit: 'req/s', get: (b) => b.overall?.rps },
+    { id: 'error_rate', title: 'Error rate', unit: '%', cap: 100, get: (b) => pct(b.overall?.error_rate) },
+    { id: 'waiting', title: 'Queue waiting', unit: 'requests', get: (b) => b.load?.waiting },
+    { id: 'in_flight', title: 'In flight', unit: 'requests', get: (b) => b.in_flight },
+  ];
+
+  const state = {
+    history: [], // [{t, values: {backendId: {chartId: number|null}}}]
+    colors: new Map(),
+    lastOk: null, // {t (client s), feed}
+    failure: null, // reason string while the feed is failing
+    failingSince: null,
+  };
+
+  const $ = (sel) => document.querySelector(sel);
+  const nowS = () => Date.now() / 1000;
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v == null) continue;
+      if (k === 'class') node.className = v;
+      else if (k === 'testid') node.dataset.testid = v;
+      else if (k === 'value') node.dataset.value = v;
+      // CSSOM, not a style attribute: the page's CSP forbids inline style attributes.
+      else if (k === 'color') node.style.background = v;
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) node.append(c instanceof Node ? c : String(c));
+    return node;
+  }
+
+  function fmt(v) {
+    if (v == null || Number.isNaN(v)) return '—';
+    if (Number.isInteger(v)) return v.toLocaleString('en-US');
+    const a = Math.abs(v);
+    if (a >= 1000) return Math.round(v).toLocaleString('en-US');
+    if (a >= 100) return v.toFixed(0);
+    if (a >= 10) return v.toFixed(1);
+    return v.toFixed(2);
+  }
+  const fmtPct = (rate) => (rate == null ? '—' : `${fmt(rate * 100)}%`);
+  const clock = (t) => new Date(t * 1000).toLocaleTimeString('en-GB', { hour12: false });
+
+  function colorOf(id) {
+    if (!state.colors.has(id)) state.colors.set(id, PALETTE[state.colors.size % PALETTE.length]);
+    return state.colors.get(id);
+  }
+
+  // Text plus the raw number in data-value, so a reader (person or test) sees both.
+  function num(testid, v, text) {
+    return el('span', { testid, value: v == null ? '' : String(v) }, text ?? fmt(v));
+  }
+
+  function badge(kind, value, testid) {
+    const v = value || 'unknown';
+    return el('span', { class: `badge ${kind}-${v}`, testid }, v.replace('_', ' '));
+  }
+
+  function fitText(m) {
+    if (!m || m.samples == null) return '—';
+    const parts = [];
+    if (m.ttft_t0_ms != null) parts.push(`t0 ${fmt(m.ttft_t0_ms)}ms`);
+    if (m.prefill_tps != null) parts.push(`${fmt(m.prefill_tps)} pf tok/s`);
+    if (m.itl_a_ms != null) parts.push(`ITL ${fmt(m.itl_a_ms)}+${fmt(m.itl_b_ms)}·n`);
+    parts.push(`n=${m.samples}`);
+    return parts.join(' · ');
+  }
+
+  function renderBackends(feed) {
+    const rows = feed.backends.map((b) => {
+      const o = b.overall || {};
+      const load = b.load || {};
+      const loadCls = load.fresh === false ? 'n old' : 'n';
+      const errCls = (o.error_rate ?? 0) >= 0.05 ? 'n bad' : 'n';
+      return el('tr', { testid: `backend:${b.id}` },
+        el('td', { class: 'id', title: `latency fit: ${fitText(b.model)}` },
+          el('i', { class: 'swatch', color: colorOf(b.id) }), b.id, ' ',
+          el('small', { class: 'engine', testid: `engine:${b.id}` }, b.engine ?? '')),
+        el('td', {}, badge('health', b.health, `health:${b.id}`)),
+        el('td', {}, badge('breaker', b.breaker, `breaker:${b.id}`)),
+        el('td', { class: 'n' }, num(`table:in_flight:${b.id}`, b.in_flight)),
+        el('td', { class: loadCls, title: load.fresh === false ? 'engine load sample is old' : null },
+          num(`table:running:${b.id}`, load.running), ' / ', num(`table:waiting:${b.id}`, load.waiting)),
+        el('td', { class: loadCls }, num(`table:kv:${b.id}`, load.kv_usage, fmtPct(load.kv_usage))),
+        el('td', { class: 'n' }, num(`table:rps:${b.id}`, o.rps)),
+        el('td', { class: 'n' }, num(`table:output_tps:${b.id}`, o.output_tps)),
+        el('td', { class: errCls }, num(`table:error_rate:${b.id}`, o.error_rate, fmtPct(o.error_rate))),
+        el('td', { class: 'n' }, num(`table:ttft_p50:${b.id}`, o.ttft_ms?.p50), el('span', { class: 'sep' }, ' / '),
+          num(`table:ttft_p99:${b.id}`, o.ttft_ms?.p99)),
+        el('td', { class: 'n' }, num(`table:itl_p50:${b.id}`, o.itl_ms?.p50)),
+        el('td', { class: 'n' }, num(`table:e2e_p50:${b.id}`, o.e2e_ms?.p50)));
+    });
+    if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 12, class: 'empty' }, 'no backends in the feed')));
+    $('[data-testid="backends-body"]').replaceChildren(...rows);
+  }
+
+  function classNames(classes) {
+    const names = Object.keys(classes || {});
+    const rank = (c) => (CLASS_ORDER.includes(c) ? CLASS_ORDER.indexOf(c) : CLASS_ORDER.length);
+    return names.sort((a, b) => rank(a) - rank(b) || a.localeCompare(b));
+  }
+
+  // Rows are backends (aligned with the backends table), columns are shape classes: a cell is the
+  // share of that class's requests the backend served in the window.
+  function renderRouting(feed) {
+    const names = classNames(feed.classes);
+    const head = el('tr', {}, el('th', {}, 'backend'), ...names.map((name) => {
+      const c = feed.classes[name] || {};
+      return el('th', { class: 'n' }, name, el('br'),
+        el('small', {}, num(`route:${name}:requests`, c.requests, c.requests == null ? '—' : `${c.requests} req`),
+          ' · ', num(`route:${name}:share`, c.share, fmtPct(c.share))));
+    }));
+    const rows = feed.backends.map((b) => el('tr', {},
+      el('td', { class: 'id' }, el('i', { class: 'swatch', color: colorOf(b.id) }), b.id),
+      ...names.map((name) => {
+        const per = feed.classes[name]?.backends || {};
+        const total = Object.values(per).reduce((s, v) => s + (v || 0), 0);
+        const count = per[b.id] || 0;
+        const share = total ? count / total : null;
+        const cell = el('td', { class: 'n route-cell' },
+          num(`route:${name}:${b.id}`, share, share == null ? '—' : `${Math.round(share * 100)}%`),
+          el('small', {}, count ? ` ${count}` : ''));
+        if (share) {
+          cell.style.setProperty('--share', `${Math.round(share * 100)}%`);
+          cell.style.setProperty('--tint', colorOf(b.id));
+        }
+        return cell;
+      })));
+    if (!names.length) rows.splice(0, rows.length, el('tr', {}, el('td', { class: 'empty' }, 'no requests in the window')));
+    $('[data-testid="routing-head"]').replaceChildren(head);
+    $('[data-testid="routing-body"]').replaceChildren(...rows);
+  }
+
+  function renderTotals(feed) {
+    const t = feed.totals || {};
+    const set = (key, v, text) => {
+      const node = $(`[data-testid="totals:${key}"]`);
+      node.textContent = text ?? fmt(v);
+      node.dataset.value = v == null ? '' : String(v);
+    };
+    set('rps', t.rps);
+    set('in_flight', t.in_flight, t.in_flight == null ? '—' : String(t.in_flight));
+    set('error_rate', t.error_rate, fmtPct(t.error_rate));
+    set('requests', t.requests, t.requests == null ? '—' : String(t.requests));
+    $('[data-testid="totals:error_rate"]').classList.toggle('bad', (t.error_rate ?? 0) >= 0.05);
+    const w = feed.window_s != null ? `last ${feed.window_s} s` : '';
+    for (const node of document.querySelectorAll('.window, .window-note')) node.textContent = w;
+  }
+
+  function buildCharts() {
+    const root = $('[data-testid="charts"]');
+    for (const spec of CHARTS) {
+      spec.canvas = el('canvas', { 'aria-label': `${spec.title} per backend, last 5 minutes`, role: 'img' });
+      spec.legend = el('ul', { class: 'legend' });
+      root.append(el('figure', { class: 'chart', testid: `chart:${spec.id}` },
+        el('figcaption', {}, spec.title, el('span', { class: 'unit' }, spec.unit)), spec.legend, spec.canvas));
+    }
+  }
+
+  function renderLegends(feed) {
+    for (const spec of CHARTS) {
+      spec.legend.replaceChildren(...feed.backends.map((b) => {
+        const v = spec.get(b);
+        return el('li', {}, el('i', { class: 'swatch', color: colorOf(b.id) }), `${b.id} `,
+          el('b', {}, num(`${spec.id}:${b.id}`, v ?? null)));
+      }));
+    }
+  }
+
+  function record(feed, t) {
+    const values = {};
+    for (const b of feed.backends) {
+      values[b.id] = {};
+      for (const spec of CHARTS) values[b.id][spec.id] = spec.get(b) ?? null;
+    }
+    state.history.push({ t, values });
+    while (state.history.length && state.history[0].t < t - HISTORY_S) state.history.shift();
+  }
+
+  function niceCeil(v) {
+    if (!(v > 0)) return 1;
+    const p = 10 ** Math.floor(Math.log10(v));
+    for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * p) return m * p;
+    return 10 * p;
+  }
+
+  function drawChart(spec, now) {
+    const cv = spec.canvas;
+    const dpr = window.devicePixelRatio || 1;
+    const w = cv.clientWidth;
+    const h = cv.clientHeight;
+    if (!w || !h) return;
+    if (cv.width !== Math.round(w * dpr) || cv.height !== Math.round(h * dpr)) {
+      cv.width = Math.round(w * dpr);
+      cv.height = Math.round(h * dpr);
+    }
+    const g = cv.getContext('2d');
+    g.setTransform(dpr, 0, 0, dpr, 0, 0);
+    g.clearRect(0, 0, w, h);
+    const L = 46, R = 8, T = 6, B = 18;
+    const pw = w - L - R, ph = h - T - B;
+    let max = 0;
+    for (const s of state.history) for (const id in s.values) max = Math.max(max, s.values[id][spec.id] ?? 0);
+    const top = Math.min(spec.cap ?? Infinity, niceCeil(max * 1.1));
+    const x = (t) => L + ((t - (now - HISTORY_S)) / HISTORY_S) * pw;
+    const y = (v) => T + ph - (v / top) * ph;
+    g.font = '11px system-ui, sans-serif';
+    g.fillStyle = '#8b95a7';
+    g.strokeStyle = '#2a3140';
+    g.lineWidth = 1;
+    g.textAlign = 'right';
+    g.textBaseline = 'middle';
+    for (const f of [0, 0.5, 1]) {
+      const yy = Math.round(y(top * f)) + 0.5;
+      g.beginPath(); g.moveTo(L, yy); g.lineTo(L + pw, yy); g.stroke();
+      g.fillText(fmt(top * f), L - 5, yy);
+    }
+    g.textAlign = 'center';
+    g.textBaseline = 'alphabetic';
+    for (let m = 5; m >= 0; m--) g.fillText(m ? `-${m}m` : 'now', Math.min(x(now - m * 60), L + pw - 12), h - 4);
+    for (const id of state.colors.keys()) {
+      g.strokeStyle = g.fillStyle = state.colors.get(id);
+      g.lineWidth = 1.8;
+      g.beginPath();
+      let prev = null;
+      let last = null;
+      for (const s of state.history) {
+        const v = s.values[id]?.[spec.id];
+        if (v == null) { prev = null; continue; }
+        const px = x(s.t), py = y(v);
+        if (prev && s.t - prev <= GAP_S) g.lineTo(px, py); else g.moveTo(px, py);
+        prev = s.t;
+        last = [px, py];
+      }
+      g.stroke();
+      if (last) { g.beginPath(); g.arc(last[0], last[1], 2.5, 0, 2 * Math.PI); g.fill(); }
+    }
+  }
+
+  function renderStatus() {
+    const now = nowS();
+    const age = state.lastOk ? now - state.lastOk.t : null;
+    const stale = state.failure != null || age == null || age > STALE_AFTER_S;
+    document.documentElement.dataset.feed = state.lastOk == null && state.failure == null ? 'loading' : stale ? 'stale' : 'live';
+    $('[data-testid="last-update-ago"]').textContent = age == null ? '' : `(${Math.max(0, Math.round(age))} s ago)`;
+    const banner = $('[data-testid="stale"]');
+    banner.hidden = !stale || (state.lastOk == null && state.failure == null);
+    if (!banner.hidden) {
+      const since = state.failingSince ? ` since ${clock(state.failingSince)}` : '';
+      const why = state.failure ?? 'no answer yet';
+      const from = state.lastOk ? `Numbers shown are from ${clock(state.lastOk.feed.now ?? state.lastOk.t)}, ${Math.round(age)} s old.` : 'No data received yet.';
+      banner.textContent = `STALE: feed failing${since} (${why}). ${from}`;
+    }
+    for (const spec of CHARTS) drawChart(spec, now);
+  }
+
+  function apply(feed) {
+    const t = nowS();
+    feed.backends = Array.isArray(feed.backends) ? feed.backends : [];
+    state.lastOk = { t, feed };
+    state.failure = null;
+    state.failingSince = null;
+    for (const b of feed.backends) colorOf(b.id);
+    record(feed, t);
+    renderTotals(feed);
+    renderBackends(feed);
+    renderRouting(feed);
+    renderLegends(feed);
+    const stamp = $('[data-testid="last-update"]');
+    stamp.textContent = clock(feed.now ?? t);
+    stamp.dataset.value = String(feed.now ?? t);
+  }
+
+  function fail(reason) {
+    if (state.failure == null) state.failingSince = nowS();
+    state.failure = reason;
+  }
+
+  async function poll() {
+    const started = performance.now();
+    const ctrl = new AbortController();
+    const timer = setTimeout(() => ctrl.abort(), FETCH_TIMEOUT_MS);
+    try {
+      const r = await fetch(FEED_URL, { credentials: 'same-origin', cache: 'no-store', signal: ctrl.signal, headers: { Accept: 'application/json' } });
+      if (r.status === 401) fail('session expired or signed out: reload to sign in');
+      else if (!r.ok) fail(`feed answered HTTP ${r.status}`);
+      else apply(await r.json());
+    } catch (e) {
+      fail(e.name === 'AbortError' ? 'feed timed out' : 'gateway unreachable');
+    } finally {
+      clearTimeout(timer);
+    }
+    renderStatus();
+    setTimeout(poll, Math.max(0, POLL_MS - (performance.now() - started)));
+  }
+
+  buildCharts();
+  // Charts and the age counter keep moving while a fetch hangs, so staleness is always visible.
+  setInterval(renderStatus, POLL_MS);
+  window.addEventListener('resize', renderStatus);
+  poll();
+})();
