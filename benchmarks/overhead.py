@@ -73,7 +73,7 @@ def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict
     return json.loads(line[4:])
 
 
-def start_stack(tmp: Path, stats: bool) -> tuple[list[subprocess.Popen], str, str, int]:
+def start_stack(tmp: Path, stats: bool) -> tuple[list[subprocess.Popen], dict]:
     engine_port, gw_port = free_port(), free_port()
     engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
                                str(engine_port)])
@@ -95,9 +95,15 @@ models = ["bench"]
 """)
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
                            str(gw_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    floor_port = free_port()
+    floor = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), "--port", str(floor_port),
+                              "--upstream", f"http://127.0.0.1:{engine_port}"], stderr=subprocess.DEVNULL)
     wait_http(f"http://127.0.0.1:{engine_port}/health")
     wait_http(f"http://127.0.0.1:{gw_port}/readyz")
-    return [engine, gw], f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{gw_port}", gw.pid
+    wait_http(f"http://127.0.0.1:{floor_port}/readyz")
+    targets = {"direct": (f"http://127.0.0.1:{engine_port}", None), "gateway": (f"http://127.0.0.1:{gw_port}", gw.pid),
+               "floor": (f"http://127.0.0.1:{floor_port}", floor.pid)}
+    return [engine, gw, floor], targets
 
 
 def measure(args) -> dict:
@@ -106,19 +112,19 @@ def measure(args) -> dict:
         tmp = Path(d)
         script = tmp / "post.lua"
         script.write_text(WRK_SCRIPT)
-        procs, direct, gateway, gw_pid = start_stack(tmp, stats=True)
+        procs, targets = start_stack(tmp, stats=True)
         try:
             for kind in args.kinds:
                 for conc in args.concurrency:
                     for rep in range(args.repeats):
-                        for target, base in (("direct", direct), ("gateway", gateway)):
+                        for target, (base, pid) in targets.items():
                             url = base + "/v1/chat/completions"
-                            c0 = cpu_seconds(gw_pid)
+                            c0 = cpu_seconds(pid) if pid else 0.0
                             r = run_wrk(url, BODIES[kind], conc, args.seconds, str(script))
-                            cpu = cpu_seconds(gw_pid) - c0
+                            cpu = (cpu_seconds(pid) - c0) if pid else 0.0
                             r.update(kind=kind, conc=conc, rep=rep, target=target,
                                      rps=r["requests"] / (r["duration_us"] / 1e6),
-                                     gw_cpu_per_req_us=(cpu / r["requests"] * 1e6) if target == "gateway" else None)
+                                     gw_cpu_per_req_us=(cpu / r["requests"] * 1e6) if pid else None)
                             results["points"].append(r)
                             print(json.dumps(r), flush=True)
         finally:
@@ -137,8 +143,8 @@ def med_spread(values: list[float]) -> tuple[float, float]:
 def summarize(results: dict, chunks: int) -> str:
     pts = results["points"]
     lines = ["| kind | conc | direct p50 us | gateway p50 us | added p50 us | added p99 us | direct req/s | "
-             "gateway req/s | ratio | gateway CPU/req us | chunks/s via gateway |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gateway req/s | ratio | gateway CPU/req us | floor CPU/req us | floor req/s | chunks/s via gateway |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(p["kind"], p["conc"]) for p in pts}, key=lambda k: (k[0] != "nonstream", k[1]))
     for kind, conc in keys:
         d = [p for p in pts if p["kind"] == kind and p["conc"] == conc and p["target"] == "direct"]
@@ -150,12 +156,14 @@ def summarize(results: dict, chunks: int) -> str:
         drps, _ = med_spread([p["rps"] for p in d])
         grps, grs = med_spread([p["rps"] for p in g])
         cpu, cs = med_spread([p["gw_cpu_per_req_us"] for p in g])
+        f = [p for p in pts if p["kind"] == kind and p["conc"] == conc and p["target"] == "floor"]
+        fcpu, _ = med_spread([p["gw_cpu_per_req_us"] for p in f]) if f else (0.0, 0.0)
+        frps, _ = med_spread([p["rps"] for p in f]) if f else (0.0, 0.0)
         events = chunks + 3 if kind == "stream" else 0
+        relayed = f"{grps * events:,.0f}" if kind == "stream" else "-"
         lines.append(f"| {kind} | {conc} | {dp50:.0f} | {gp50:.0f} (±{gs:.0f}%) | {add50:.0f} | {add99:.0f} | "
                      f"{drps:,.0f} | {grps:,.0f} (±{grs:.0f}%) | {grps / drps:.2f} | {cpu:.0f} (±{cs:.0f}%) | "
-                     f"{grps * events:,.0f} |" if kind == "stream" else
-                     f"| {kind} | {conc} | {dp50:.0f} | {gp50:.0f} (±{gs:.0f}%) | {add50:.0f} | {add99:.0f} | "
-                     f"{drps:,.0f} | {grps:,.0f} (±{grs:.0f}%) | {grps / drps:.2f} | {cpu:.0f} (±{cs:.0f}%) | - |")
+                     f"{fcpu:.0f} | {frps:,.0f} | {relayed} |")
     return "\n".join(lines)
 
 

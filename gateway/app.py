@@ -21,7 +21,7 @@ from gateway.errors import GatewayError
 from gateway.health import load_loop, probe_loop
 from gateway.pipeline import GATEWAY, PRINCIPAL, REQUEST_ID
 from gateway.reload import RELOADER, Reloader, admin_reload
-from gateway.runtime import Gateway, new_request_id, stats_report
+from gateway.runtime import Gateway, RequestIds, stats_report
 from gateway.state import shared_state
 
 log = logging.getLogger("shapegate")
@@ -40,7 +40,7 @@ def _error_response(err: GatewayError, request_id: str) -> web.Response:
 async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
     """Request id, API key and body limit first; every error leaves as OpenAI-shaped JSON."""
     g: Gateway = request.app[GATEWAY]
-    rid = request.headers.get("x-request-id") or new_request_id()
+    rid = request.headers.get("x-request-id") or request.app[REQUEST_IDS].next()
     request[REQUEST_ID] = rid
     try:
         path = request.path
@@ -118,6 +118,7 @@ async def stats(request: web.Request) -> web.Response:
 
 SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
+REQUEST_IDS: web.AppKey[RequestIds] = web.AppKey("request_ids", RequestIds)
 
 
 def dashboard_secret(cfg: GatewayConfig) -> bytes:
@@ -181,6 +182,7 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
                           handler_args={"tcp_keepalive": True})
     app[GATEWAY] = Gateway(cfg)
     app[SHUTTING_DOWN] = False
+    app[REQUEST_IDS] = RequestIds()
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)

@@ -45,7 +45,7 @@ class Authenticator:
     def __init__(self, cfg: AuthConfig) -> None:
         self.enabled = cfg.enabled
         # Looked up by digest: the lookup's timing depends on the digest, not on the key's prefix.
-        self._by_digest = {k.sha256: k for k in cfg.keys}
+        self._by_digest = {k.sha256: (k.sha256, Principal(k.id, k.admin)) for k in cfg.keys}
 
     def principal_for_key(self, key: str | None) -> Principal | None:
         if not self.enabled:
@@ -54,9 +54,9 @@ class Authenticator:
             return None
         digest = hash_key(key)
         entry = self._by_digest.get(digest)
-        if entry is None or not hmac.compare_digest(entry.sha256, digest):
+        if entry is None or not hmac.compare_digest(entry[0], digest):
             return None
-        return Principal(entry.id, entry.admin)
+        return entry[1]
 
     def authenticate(self, headers: Mapping[str, str]) -> Principal:
         principal = self.principal_for_key(presented_key(headers))

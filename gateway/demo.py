@@ -9,7 +9,6 @@ import sys
 
 from aiohttp import web
 
-import policies
 from gateway.app import build_app
 from gateway.auth import hash_key, new_key
 from gateway.config import parse_config
@@ -36,7 +35,7 @@ def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int) -> 
     return {
         "server": {"host": host, "port": port, "access_log": False},
         "auth": {"keys": [{"id": "demo", "sha256": key_digest, "admin": True}]},
-        "routing": {"policy": "shape" if "shape" in policies.REGISTRY else "least_loaded"},
+        "routing": {"policy": "least_loaded"},
         "dashboard": {"secure_cookie": False},
         "backends": backends,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -280,15 +281,20 @@ async def _read_quietly(reply) -> bytes:
         return b""
 
 
+_USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
+
+
 def _usage_of(data: bytes) -> dict | None:
-    if b'"usage"' not in data:
+    """Token counts from a non-streamed reply without parsing the whole body (it may be large)."""
+    i = data.rfind(b'"usage"')
+    if i < 0:
         return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
+    found = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
+    if not found:
         return None
-    u = obj.get("usage") if isinstance(obj, dict) else None
-    return u if isinstance(u, dict) else None
+    if "cached_tokens" in found:
+        found["prompt_tokens_details"] = {"cached_tokens": found.pop("cached_tokens")}
+    return found
 
 
 def _cached(usage: dict | None) -> int:
