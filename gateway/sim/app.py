@@ -1,0 +1,69 @@
+"""The aiohttp application of one simulated engine: its routes, warm-up and engine-loop lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from gateway.sim import faults as faults_mod
+from gateway.sim.handlers import embeddings, make_chat_handler
+from gateway.sim.options import SimOptions
+from gateway.sim.routes import engine_routes, llama_loading, sim_state
+from gateway.sim.state import SIM, SimState
+
+FAULTS = web.AppKey("sim_faults", faults_mod.FaultState)
+
+# llama.cpp answers these while the model loads; everything else gets 503 "Loading model".
+_LLAMA_OPEN_WHILE_LOADING = ("/", "/models", "/v1/models")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def llama_loading_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    st = request.app[SIM]
+    path = request.path
+    if st.ready.is_set() or path in _LLAMA_OPEN_WHILE_LOADING or path.startswith("/sim/"):
+        return await handler(request)
+    return llama_loading(st)
+
+
+def inference_routes(engine: str) -> list[web.RouteDef]:
+    chat, text = make_chat_handler("chat"), make_chat_handler("text")
+    routes = [web.post("/v1/chat/completions", chat), web.post("/v1/completions", text),
+              web.post("/v1/embeddings", embeddings)]
+    if engine == "llamacpp":
+        routes += [web.post("/chat/completions", chat), web.post("/embeddings", embeddings)]
+    return routes
+
+
+def build_app(opts: SimOptions, bind_later: bool = False) -> web.Application:
+    """The engine's app. With `bind_later` the caller owns readiness (it marks ready at bind time)."""
+    st = SimState.create(opts)
+    middlewares = [llama_loading_gate] if opts.engine == "llamacpp" else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app[SIM] = st
+    app[FAULTS] = st.faults
+    app.add_routes(engine_routes(opts.engine))
+    app.add_routes(inference_routes(opts.engine))
+    app.add_routes(faults_mod.admin_routes(FAULTS))
+    app.add_routes([web.get("/sim/state", sim_state)])
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        st.engine.start()
+        warmup = None
+        if bind_later:
+            pass  # readiness follows the socket: the runner sets it when it binds
+        elif opts.warmup_s > 0:
+            warmup = asyncio.get_running_loop().call_later(opts.warmup_s, st.ready.set)
+        else:
+            st.ready.set()
+        yield
+        if warmup is not None:
+            warmup.cancel()
+        await st.engine.stop()
+
+    app.cleanup_ctx.append(lifetime)
+    return app

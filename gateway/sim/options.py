@@ -1,0 +1,43 @@
+"""Options of one simulated engine (shared by the in-process runner and the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from gateway.sim.faults import FaultSpec
+from gateway.sim.profiles import Profile, get_profile
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Everything that defines one simulated engine process."""
+
+    engine: str
+    model: str = "sim-model"
+    profile: str | None = None  # None: the engine's fast default profile
+    slots: int | None = None  # llama.cpp -np; vLLM/SGLang max running requests
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    warmup_s: float = 0.0
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    served_model_names: tuple[str, ...] = ()  # extra names the engine answers to
+    max_model_len: int | None = None  # override the context length (llama.cpp: per slot)
+    report_cached_tokens: bool = False  # vLLM --enable-prompt-tokens-details / SGLang --enable-cache-report
+
+    def resolve_profile(self) -> Profile:
+        """The profile these options run, with the slot and context overrides applied."""
+        profile = get_profile(self.engine, self.profile).with_slots(self.slots)
+        if self.max_model_len is not None:
+            if self.max_model_len < 16:
+                raise ValueError("max_model_len must be at least 16")
+            # For llama.cpp the override is the per-slot context (-c is split over the slots).
+            ctx = self.max_model_len * profile.max_running if profile.engine == "llamacpp" else 0
+            profile = replace(profile, max_model_len=self.max_model_len, ctx_tokens=ctx)
+        return profile
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Served names, the primary first, without duplicates."""
+        names = [self.model, *self.served_model_names]
+        return tuple(dict.fromkeys(names))

@@ -1,0 +1,185 @@
+"""Request validation per engine: model names, token limits, stream options, context length, stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.sim.profiles import Profile
+from gateway.sim.tokens import Output, encode, generate, render_chat
+
+
+class ApiError(Exception):
+    """A request the engine refuses: status, message and the engine's error type/param."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None,
+                 param: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type_ = type_
+        self.param = param
+        self.extra = extra
+
+
+@dataclass
+class GenRequest:
+    """A validated generation request, ready for the scheduler."""
+
+    kind: str
+    model: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    tokens: list[int]
+    output: Output
+    slot_hint: int = -1
+    cache_prompt: bool = True
+    inband_error: ApiError | None = None  # SGLang: reported inside a 200 stream
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    engine: str
+    profile: Profile
+    names: tuple[str, ...]
+    seed: int
+
+
+def _int_field(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{key}' must be an integer", param=key)
+    return value
+
+
+def check_model(ctx: ParseContext, body: dict[str, Any]) -> str:
+    """The model name to echo; vLLM and SGLang refuse names they do not serve, llama.cpp takes any."""
+    model = body.get("model")
+    if ctx.engine == "llamacpp":
+        return model if isinstance(model, str) and model else ctx.names[0]
+    if model is None:
+        return ctx.names[0]
+    if model not in ctx.names:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return model
+
+
+def _limit(ctx: ParseContext, body: dict[str, Any]) -> int | None:
+    """The requested output cap, as each engine reads it."""
+    if ctx.engine == "llamacpp":
+        # llama.cpp reads max_tokens, then its own n_predict; -1 means no limit.
+        value = _int_field(body, "max_tokens")
+        value = _int_field(body, "n_predict") if value is None else value
+        return None if value is None or value < 0 else max(value, 1)
+    value = _int_field(body, "max_completion_tokens")
+    value = _int_field(body, "max_tokens") if value is None else value
+    if value is not None and value < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {value}.", param="max_tokens")
+    return value
+
+
+def _stream_flags(ctx: ParseContext, body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    if ctx.engine == "vllm":
+        if options is not None and not stream:
+            raise ApiError(400, "Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+        # vLLM's StreamOptions.include_usage defaults to true once the object is sent.
+        include = bool(options.get("include_usage", True)) if options is not None else False
+        continuous = bool(options.get("continuous_usage_stats", False)) if options else False
+        return stream, include, continuous
+    include = bool(options.get("include_usage", False)) if options else False
+    return stream, include, False
+
+
+def _prompt_tokens(kind: str, body: dict[str, Any]) -> list[int]:
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of objects", param="messages")
+        return encode(render_chat(messages, bool(body.get("add_generation_prompt", True))))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
+                        "(the simulator serves one prompt per request)", param="prompt")
+
+
+def _context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError | None:
+    p = ctx.profile
+    if ctx.engine == "llamacpp":
+        n_ctx = p.slot_ctx()
+        if n_in >= n_ctx:
+            return ApiError(400, f"request ({n_in} tokens) exceeds the available context size "
+                                 f"({n_ctx} tokens), try increasing it",
+                            "exceed_context_size_error", n_prompt_tokens=n_in, n_ctx=n_ctx)
+        return None
+    n = p.max_model_len
+    if ctx.engine == "vllm":
+        if n_in >= n:
+            return ApiError(400, f"This model's maximum context length is {n} tokens. However, "
+                                 f"your request has {n_in} input tokens. Please reduce the length "
+                                 "of the input messages.", param="input_tokens")
+        if limit is not None and n_in + limit > n:
+            return ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {limit}. "
+                                 f"This model's maximum context length is {n} tokens and your "
+                                 f"request has {n_in} input tokens ({limit} > {n} - {n_in}).",
+                            param="input_tokens")
+        return None
+    if n_in >= n:
+        return ApiError(400, f"The input ({n_in} tokens) is longer than the model's context "
+                             f"length ({n} tokens).")
+    if limit is not None and n_in + limit > n:
+        return ApiError(400, f"Requested token count exceeds the model's maximum context length "
+                             f"of {n} tokens. You requested a total of {n_in + limit} tokens: "
+                             f"{n_in} tokens from the input messages and {limit} tokens for the "
+                             "completion. Please reduce the number of tokens in the input "
+                             "messages or the completion to fit within the limit.")
+    return None
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+
+
+def parse_generation(ctx: ParseContext, kind: str, body: dict[str, Any]) -> GenRequest:
+    """Validate a chat or text completion body the way the engine would; raises ApiError."""
+    model = check_model(ctx, body)
+    stream, include_usage, continuous = _stream_flags(ctx, body)
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ApiError(400, "the simulator serves n=1 only", param="n")
+    limit = _limit(ctx, body)
+    tokens = _prompt_tokens(kind, body)
+    error = _context_error(ctx, len(tokens), limit)
+    inband = None
+    if error is not None:
+        if not (ctx.engine == "sglang" and stream):
+            raise error
+        inband = error  # SGLang opens the stream before its tokenizer manager validates
+    room = (ctx.profile.slot_ctx() if ctx.engine == "llamacpp" else ctx.profile.max_model_len)
+    room = max(room - len(tokens), 1)
+    cap = min(limit, room) if limit is not None else room
+    seed = _int_field(body, "seed") or 0
+    output = generate(ctx.seed, tokens, cap, bool(body.get("ignore_eos", False)), _stops(body), seed)
+    slot = _int_field(body, "id_slot") if ctx.engine == "llamacpp" else None
+    return GenRequest(kind, model, stream, include_usage, continuous, tokens, output,
+                      slot_hint=slot if slot is not None else -1,
+                      cache_prompt=bool(body.get("cache_prompt", True)), inband_error=inband)
