@@ -1,0 +1,1 @@
+"""End-to-end tests against real inference engines (opt-in, built and cached on first use)."""

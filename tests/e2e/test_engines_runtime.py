@@ -1,0 +1,173 @@
+"""The real engines under load: metrics families, llama.cpp slots/props, queueing past capacity, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.e2e import wire
+from tests.e2e.engines import EngineHandle
+from tests.e2e.quirks import QUIRKS
+
+pytestmark = pytest.mark.e2e
+
+LLAMA_FAMILIES = {
+    "llamacpp:prompt_tokens": "counter",
+    "llamacpp:prompt_tokens_cached": "counter",
+    "llamacpp:prompt_seconds": "counter",
+    "llamacpp:tokens_predicted": "counter",
+    "llamacpp:tokens_predicted_seconds": "counter",
+    "llamacpp:n_decode": "counter",
+    "llamacpp:n_tokens_max": "counter",
+    "llamacpp:spec_decode_num_draft_tokens": "counter",
+    "llamacpp:spec_decode_num_accepted_tokens": "counter",
+    "llamacpp:spec_decode_num_drafts": "counter",
+    "llamacpp:prompt_tokens_seconds": "gauge",
+    "llamacpp:predicted_tokens_seconds": "gauge",
+    "llamacpp:requests_processing": "gauge",
+    "llamacpp:requests_deferred": "gauge",
+    "llamacpp:n_busy_slots_per_decode": "gauge",  # declared gauge in this build
+}
+VLLM_REQUIRED = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+async def test_metrics_families(engine: EngineHandle) -> None:
+    q = QUIRKS[engine.engine]
+    async with wire.new_session() as http:
+        # one request first, so counters and histograms have samples
+        await wire.post(http, engine.url + "/v1/chat/completions", wire.chat_body(engine.model))
+        families = await wire.metric_families(http, engine.url)
+    ours = {name: f.type for name, f in families.items() if name.startswith(q.metric_prefix)}
+    if engine.engine == "llamacpp":
+        assert ours == LLAMA_FAMILIES and set(families) == set(ours)  # nothing else, no labels
+        assert all(not s.labels for f in families.values() for s in f.samples)
+    else:
+        assert {n: ours.get(n) for n in VLLM_REQUIRED} == VLLM_REQUIRED
+        assert len(families) >= 80
+        ttft = families["vllm:time_to_first_token_seconds"]
+        assert {s.labels.get("model_name") for s in ttft.samples} == {engine.model}
+        assert wire.sample_value(families, "vllm:time_to_first_token_seconds",
+                                 "vllm:time_to_first_token_seconds_count") >= 1
+    assert ("histogram" in ours.values()) == q.has_histograms
+
+
+async def test_llama_props_and_slots(llama_server: EngineHandle) -> None:
+    async with wire.new_session() as http:
+        props = (await wire.get(http, llama_server.url + "/props")).json()
+        slots = await wire.get(http, llama_server.url + "/slots")
+        no_slot = await wire.get(http, llama_server.url + "/slots?fail_on_no_slot=1")
+        models = (await wire.get(http, llama_server.url + "/v1/models")).json()
+    assert props["total_slots"] == 2
+    assert props["default_generation_settings"]["n_ctx"] == 2048  # -c 4096 split over --parallel 2
+    assert props["model_alias"] == llama_server.model
+    assert props["build_info"].startswith("b11434")
+    assert props["endpoint_metrics"] is True and props["endpoint_slots"] is True
+    assert (props["bos_token"], props["eos_token"]) == ("<|endoftext|>", "<|im_end|>")
+    assert slots.status == 200
+    assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots.json()] == [(0, 2048, False), (1, 2048, False)]
+    assert no_slot.status == 200  # idle slots exist, so the admission probe passes
+    assert models["data"][0]["id"] == llama_server.model
+    assert models["data"][0]["meta"]["n_ctx_train"] == 4096
+
+
+async def _busy_slots(http: aiohttp.ClientSession, url: str) -> int:
+    return sum(s["is_processing"] for s in (await wire.get(http, url + "/slots")).json())
+
+
+async def test_llama_disconnect_frees_slot(llama_server: EngineHandle) -> None:
+    url = llama_server.url
+    body = wire.chat_body(llama_server.model, stream=True, max_tokens=2000)
+    async with wire.new_session() as http:
+        before = wire.sample_value(await wire.metric_families(http, url), "llamacpp:tokens_predicted",
+                                   "llamacpp:tokens_predicted_total")
+        async with wire.new_session() as client:
+            resp = await client.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                                     headers={"content-type": "application/json"})
+            for _ in range(4):
+                await resp.content.readline()
+            assert await _busy_slots(http, url) == 1
+            resp.close()  # drop the connection mid-stream
+        dropped = time.monotonic()
+        while await _busy_slots(http, url) and time.monotonic() - dropped < 5.0:
+            await asyncio.sleep(0.01)
+        freed_after = time.monotonic() - dropped
+        after = wire.sample_value(await wire.metric_families(http, url), "llamacpp:tokens_predicted",
+                                  "llamacpp:tokens_predicted_total")
+    assert freed_after < 2.0, f"slot still busy {freed_after:.2f} s after the client left"
+    # the generation was cancelled, not run to its 2,000 tokens
+    assert 0 < after - before < 2000
+
+
+async def test_vllm_disconnect_aborts_request(vllm_server: EngineHandle) -> None:
+    url = vllm_server.url
+    body = wire.chat_body(vllm_server.model, stream=True, max_tokens=3000)  # ~5-10 s if left running
+    async with wire.new_session() as http:
+        before = await wire.metric_families(http, url)
+        async with wire.new_session() as client:
+            resp = await client.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                                     headers={"content-type": "application/json"})
+            await resp.content.readline()
+            resp.close()
+        dropped = time.monotonic()
+        while time.monotonic() - dropped < 5.0:
+            after = await wire.metric_families(http, url)
+            if wire.sample_value(after, "vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.05)
+        stopped_after = time.monotonic() - dropped
+
+    def aborted(fams: dict[str, Any]) -> float:
+        return sum(s.value for s in fams["vllm:request_success"].samples
+                   if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+    def generated(fams: dict[str, Any]) -> float:
+        return wire.sample_value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total")
+
+    assert stopped_after < 2.0, f"vLLM still running the request {stopped_after:.2f} s after the client left"
+    assert generated(after) - generated(before) < 3000
+    # an aborted request is counted nowhere: not as finished_reason="abort", not in the latency histograms
+    assert aborted(after) == aborted(before)
+
+
+async def test_queueing_beyond_capacity(engine: EngineHandle) -> None:
+    """Four streams on two slots / max-num-seqs 2: the extra two wait silently, nobody is rejected."""
+    q = QUIRKS[engine.engine]
+    max_tokens = 600 if engine.engine == "llamacpp" else 120
+    async with wire.new_session() as http:
+        async def one() -> wire.Reply:
+            body = wire.chat_body(engine.model, stream=True, max_tokens=max_tokens)
+            return await wire.post(http, engine.url + "/v1/chat/completions", body)
+
+        tasks = [asyncio.create_task(one()) for _ in range(4)]
+        peak_running = peak_waiting = 0.0
+        health: set[int] = set()
+        while not all(t.done() for t in tasks):
+            fams = await wire.metric_families(http, engine.url)
+            peak_running = max(peak_running, wire.sample_value(fams, q.running_gauge))
+            peak_waiting = max(peak_waiting, wire.sample_value(fams, q.waiting_gauge))
+            health.add((await wire.get(http, engine.url + "/health")).status)
+            await asyncio.sleep(0.02)
+        replies = await asyncio.gather(*tasks)
+    assert [r.status for r in replies] == [200] * 4
+    assert all(wire.parse_sse(r.body).done for r in replies)
+    assert peak_running == 2 and peak_waiting >= 1
+    assert health == {200}
