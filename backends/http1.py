@@ -342,10 +342,14 @@ class HostPool:
     async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
                       timeout: float) -> Response:
         """Send a request; returns when the response head arrived. A stale reused connection is retried once."""
-        await self.sem.acquire()
         conn = None
+        acquired = False
         try:
             async with asyncio.timeout(timeout):
+                # Waiting for a free slot counts against the deadline: a hung engine holding every
+                # connection must not queue new requests without bound.
+                await self.sem.acquire()
+                acquired = True
                 conn = self._take_idle()
                 if conn is not None:
                     try:
@@ -359,7 +363,8 @@ class HostPool:
         except BaseException:
             if conn is not None:
                 conn.abandon()  # a timed-out or cancelled exchange must not be reused
-            self.sem.release()
+            if acquired:
+                self.sem.release()
             raise
 
     def close(self) -> None:

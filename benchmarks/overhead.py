@@ -167,6 +167,143 @@ def summarize(results: dict, chunks: int) -> str:
     return "\n".join(lines)
 
 
+def stats_gateway(tmp: Path, engine_url: str, stats: bool) -> tuple[subprocess.Popen, str]:
+    """A gateway with [stats] on or off and no access log, so the two differ in stats upkeep only."""
+    from gateway.auth import hash_key
+    port = free_port()
+    cfg = tmp / f"stats-{'on' if stats else 'off'}.toml"
+    cfg.write_text(f"""
+[server]
+access_log = false
+[stats]
+enabled = {str(stats).lower()}
+[[auth.keys]]
+id = "bench"
+sha256 = "{hash_key(KEY)}"
+[health]
+warmup = false
+[[backends]]
+id = "engine"
+engine = "openai"
+url = "{engine_url}"
+models = ["bench"]
+""")
+    gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    wait_http(f"http://127.0.0.1:{port}/readyz")
+    return gw, f"http://127.0.0.1:{port}"
+
+
+def stats_compare(args) -> dict:
+    """Stats upkeep on vs off: two gateways on one engine, driven in turn (order alternating per repeat)."""
+    results: dict = {"points": [], "loadavg_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        engine_port = free_port()
+        engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
+                                   str(engine_port)])
+        procs = [engine]
+        try:
+            wait_http(f"http://127.0.0.1:{engine_port}/health")
+            gws = {}
+            for variant in ("on", "off"):
+                gw, url = stats_gateway(tmp, f"http://127.0.0.1:{engine_port}", variant == "on")
+                procs.append(gw)
+                gws[variant] = (gw.pid, url + "/v1/chat/completions")
+                for kind in args.kinds:  # warm both before measuring either
+                    run_wrk(gws[variant][1], BODIES[kind], 4, 1.0, str(script))
+            for kind in args.kinds:
+                for conc in args.concurrency:
+                    for rep in range(args.repeats):
+                        for variant in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+                            pid, url = gws[variant]
+                            c0 = cpu_seconds(pid)
+                            r = run_wrk(url, BODIES[kind], conc, args.seconds, str(script))
+                            cpu = cpu_seconds(pid) - c0
+                            r.update(kind=kind, conc=conc, rep=rep, stats=variant,
+                                     rps=r["requests"] / (r["duration_us"] / 1e6),
+                                     cpu_per_req_us=cpu / r["requests"] * 1e6)
+                            results["points"].append(r)
+                            print(json.dumps(r), flush=True)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(10)
+    results["loadavg_after"] = os.getloadavg()
+    results["record_stage"] = record_stage_cost()
+    return results
+
+
+def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
+    """In process, microseconds per request of what the switch turns off: the record stage (Gateway.record)
+    plus the next routing snapshot (BackendView, which re-solves the latency model after a new sample);
+    with stats on, also each part alone. Minimum over `repeats` runs of `n` calls (the least disturbed)."""
+    from gateway.config import parse_config
+    from gateway.contracts import Outcome, RequestShape
+    from gateway.runtime import Gateway
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t) / n * 1e6)
+        return best
+
+    out: dict = {}
+    for enabled in (True, False):
+        cfg = parse_config({"auth": {"enabled": False}, "stats": {"enabled": enabled, "warmup_samples": 0},
+                            "backends": [{"id": "e", "engine": "openai", "url": "http://127.0.0.1:9",
+                                          "models": ["bench"]}]})
+        g = Gateway(cfg)
+        b = g.make_backend(cfg.backends[0])
+        g.pool.add(b)
+        request: dict = {}
+        for kind, stream in (("nonstream", False), ("stream", True)):
+            shape = RequestShape("bench", "chat", stream, 8, 200, "default")
+            o = Outcome("e", shape, True, 200, ttft=0.002 if stream else None, itl=0.0001 if stream else None,
+                        e2e=0.03, prompt_tokens=8, completion_tokens=200)
+
+            def path() -> None:
+                g.record(request, b, shape, o, 0.0, 0.0001)
+                b.view(time.monotonic())
+
+            out[f"{kind}:{'on' if enabled else 'off'}"] = timed(path)
+            if enabled:
+                m = g.metrics
+                out[f"{kind}:learn"] = timed(lambda: b.latency.learn(o, time.monotonic(), ready_since=0.0))
+                learn_and_solve = timed(lambda: (b.latency.learn(o, time.monotonic(), ready_since=0.0),
+                                                 b.latency.estimate()))
+                out[f"{kind}:re-solve"] = learn_and_solve - out[f"{kind}:learn"]
+                out[f"{kind}:rolling samples"] = timed(lambda: b.stats.add(o, time.monotonic()))
+                out[f"{kind}:histograms"] = (timed(lambda: m.observe("e", "bench", "default", 200, o.ttft, o.itl,
+                                                                     0.03, 8, 200, 0.0001))
+                                             - timed(lambda: m.count("e", "bench", "default", 200, 8, 200)))
+    return out
+
+
+def summarize_stats(results: dict) -> str:
+    pts = results["points"]
+    lines = ["| kind | conc | CPU/req on us | CPU/req off us | on/off (median, range) | req/s on | req/s off | "
+             "p50 on us | p50 off us |", "|---|---|---|---|---|---|---|---|---|"]
+    for kind, conc in sorted({(p["kind"], p["conc"]) for p in pts}, key=lambda k: (k[0] != "nonstream", k[1])):
+        sel = {v: sorted((p for p in pts if (p["kind"], p["conc"], p["stats"]) == (kind, conc, v)),
+                         key=lambda p: p["rep"]) for v in ("on", "off")}
+        on, off = (med_spread([p["cpu_per_req_us"] for p in sel[v]]) for v in ("on", "off"))
+        ratios = [a["cpu_per_req_us"] / b["cpu_per_req_us"] for a, b in zip(sel["on"], sel["off"])]
+        rps = {v: med_spread([p["rps"] for p in sel[v]]) for v in sel}
+        p50 = {v: med_spread([p["p50"] for p in sel[v]]) for v in sel}
+        lines.append(f"| {kind} | {conc} | {on[0]:.0f} (±{on[1]:.0f}%) | {off[0]:.0f} (±{off[1]:.0f}%) | "
+                     f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+                     f"{rps['on'][0]:,.0f} (±{rps['on'][1]:.0f}%) | {rps['off'][0]:,.0f} (±{rps['off'][1]:.0f}%) | "
+                     f"{p50['on'][0]:.0f} | {p50['off'][0]:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seconds", type=float, default=4.0)
@@ -174,7 +311,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kinds", nargs="+", default=["nonstream", "stream"])
     p.add_argument("--out", default=str(RESULTS / "overhead"))
+    p.add_argument("--stats-compare", action="store_true",
+                   help="stats upkeep on vs off, side by side; writes results/stats_overhead.{md,json}")
     args = p.parse_args()
+    if args.stats_compare:
+        return write_stats_compare(args)
     results = measure(args)
     results["conditions"] = {"seconds": args.seconds, "repeats": args.repeats, "cpus": os.cpu_count(),
                              "load": "wrk on the same machine", "engine": "benchmarks/fast_engine.py",
@@ -188,6 +329,70 @@ def main() -> int:
                                       f"(spread = (max-min)/median), wrk, gateway and engine on the same "
                                       f"{os.cpu_count()} cores. Latencies in microseconds.\n\n{table}\n")
     return 0
+
+
+def write_stats_compare(args) -> int:
+    results = stats_compare(args)
+    results["conditions"] = {"seconds": args.seconds, "repeats": args.repeats, "cpus": os.cpu_count(),
+                             "concurrency": args.concurrency, "kinds": args.kinds,
+                             "date": time.strftime("%Y-%m-%d %H:%M")}
+    table = summarize_stats(results)
+    rec = results["record_stage"]
+    parts = ["| per request, in process (us) | nonstream | stream |", "|---|---|---|"]
+    for name in ("off", "on", "learn", "re-solve", "rolling samples", "histograms"):
+        label = {"off": "record + next routing snapshot, stats off", "on": "same, stats on",
+                 "learn": "of which: latency-model learn", "re-solve": "of which: latency-model re-solve",
+                 "rolling samples": "of which: rolling samples (/stats)",
+                 "histograms": "of which: latency histograms (/metrics)"}[name]
+        parts.append(f"| {label} | {rec['nonstream:' + name]:.1f} | {rec['stream:' + name]:.1f} |")
+    pts = results["points"]
+    for kind in ("nonstream", "stream"):
+        off = [p["cpu_per_req_us"] for p in pts if p["kind"] == kind and p["stats"] == "off"]
+        if not off:
+            continue
+        base = statistics.median(off)
+        added = rec[f"{kind}:on"] - rec[f"{kind}:off"]
+        model = rec[f"{kind}:learn"] + rec[f"{kind}:re-solve"]
+        parts.append(f"\n{kind}: stats upkeep {added:.1f} us per request = {added / base * 100:.1f} % of the "
+                     f"gateway's {base:.0f} us CPU per request (median, stats off, all concurrencies); the latency "
+                     f"model's learn + re-solve is {model:.1f} us of it ({model / base * 100:.1f} %), rolling "
+                     f"samples + histograms {added - model:.1f} us ({(added - model) / base * 100:.1f} %).")
+    print(table + "\n\n" + "\n".join(parts))
+    out = RESULTS / "stats_overhead"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(STATS_MD.format(
+        repeats=args.repeats, seconds=args.seconds, cpus=os.cpu_count(), table=table, parts="\n".join(parts),
+        before=" / ".join(f"{x:.2f}" for x in results["loadavg_before"]),
+        after=" / ".join(f"{x:.2f}" for x in results["loadavg_after"]), date=results["conditions"]["date"]))
+    return 0
+
+
+STATS_MD = """# Stats upkeep overhead
+
+What `[stats] enabled = true` costs per request: latency-model learning (and the re-solve it triggers at the
+next routing decision), rolling samples for /stats and the dashboard, and the TTFT/ITL/e2e/overhead histograms
+(request and token counters stay on in both).
+
+## End to end
+
+Two gateway processes, one with stats on and one off, both without access log, in front of one
+`benchmarks/fast_engine.py`; `wrk` drives them in turn, the order alternating per repeat. CPU per request is
+the gateway process's user+system time from /proc over the requests wrk completed. Medians of {repeats} runs
+of {seconds:g} s; spread = (max-min)/median; the on/off column is the median of the per-repeat ratios and
+their range.
+
+Conditions: {date}, {cpus} cores shared by wrk, both gateways and the engine, on a machine other jobs were
+using at the same time (load average before / after: {before} → {after}).
+
+{table}
+
+## Where it goes
+
+The same switch timed in process, on one backend, best of 5 x 20,000 calls (so scheduling noise is left out):
+
+{parts}
+"""
 
 
 if __name__ == "__main__":

@@ -71,16 +71,33 @@ async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
     return resp
 
 
+async def _served(request: web.Request, route: str) -> web.StreamResponse:
+    """Run the pipeline; the request gets exactly one access-log line however it ends."""
+    status = 500
+    try:
+        resp = await pipeline.handle(request, route)
+        status = resp.status
+        return resp
+    except GatewayError as e:
+        status = e.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away first
+        raise
+    finally:
+        request.app[GATEWAY].log_request(request, status)
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await pipeline.handle(request, "chat")
+    return await _served(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await pipeline.handle(request, "completions")
+    return await _served(request, "completions")
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await pipeline.handle(request, "embeddings")
+    return await _served(request, "embeddings")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -102,9 +119,11 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
+    if not g.cfg.metrics.enabled:
+        raise web.HTTPNotFound()
     if g.cfg.metrics.require_admin:
         g.auth.require_admin(request.headers)
-    return web.Response(body=g.metrics.exposition(), content_type="text/plain", charset="utf-8",
+    return web.Response(body=g.metrics.exposition(),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -150,7 +169,7 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
 async def routing_state(app: web.Application) -> AsyncIterator[None]:
     """Replicas share prefix/session affinity through the configured store, off the request path."""
     g: Gateway = app[GATEWAY]
-    async with shared_state(g.affinity, g.cfg.state):
+    async with shared_state(g.affinity_index, g.cfg.state):
         yield
 
 
@@ -168,13 +187,14 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
-    g.access_log.flush()
+    g.access_log.close()
 
 
 async def _flush_loop(g: Gateway) -> None:
     while True:
         await asyncio.sleep(0.2)
         g.access_log.flush()
+        g.metrics.refresh()  # with several workers: this one's pool view, for whichever answers a scrape
 
 
 def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Application:

@@ -13,26 +13,32 @@ from gateway.auth import hash_key, new_key
 from gateway.config import ConfigError, load_config
 
 
-async def serve_until_signal(cfg, host: str, port: int) -> None:
-    """Run the gateway; on SIGTERM/SIGINT stop accepting, let streams finish up to the grace period."""
+async def serve_until_signal(cfg, host: str, port: int, config_path: str | None = None,
+                             reuse_port: bool = False) -> None:
+    """Run the gateway; SIGHUP reloads the config; SIGTERM/SIGINT stop accepting and let streams finish."""
     from aiohttp import web
 
-    from gateway.app import SHUTTING_DOWN, build_app
+    from gateway.app import build_app
+    from gateway.lifecycle import CUT_MARGIN_S, shutdown
+    from gateway.pipeline import GATEWAY
+    from gateway.reload import RELOADER
 
-    app = build_app(cfg)
+    app = build_app(cfg, config_path)
+    grace = cfg.server.shutdown_grace_s
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=cfg.server.shutdown_grace_s)
+                           shutdown_timeout=grace + CUT_MARGIN_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
     await site.start()
     logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
     await stop.wait()
-    app[SHUTTING_DOWN] = True  # /readyz turns false at once
-    await runner.cleanup()
+    loop.remove_signal_handler(signal.SIGHUP)
+    await shutdown(runner, app[GATEWAY], grace)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -45,8 +51,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
-    uvloop.run(serve_until_signal(cfg, host, port))
-    return 0
+    if args.workers == 1:
+        uvloop.run(serve_until_signal(cfg, host, port, args.config))
+        return 0
+    if port == 0:
+        print("shapegate: --workers needs a fixed port (each worker binds it with SO_REUSEPORT)", file=sys.stderr)
+        return 2
+    from gateway.workers import run_workers
+
+    def worker() -> int:
+        uvloop.run(serve_until_signal(cfg, host, port, args.config, reuse_port=True))
+        return 0
+
+    return run_workers(args.workers, worker)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -87,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="path to the TOML configuration (see config.example.toml)")
     s.add_argument("--host", default=None, help="listen address (default: [server] host)")
     s.add_argument("--port", type=int, default=None, help="listen port (default: [server] port)")
+    s.add_argument("--workers", type=_positive, default=1,
+                   help="gateway processes sharing the port (SO_REUSEPORT); /metrics adds up all of them")
     s.set_defaults(func=cmd_serve)
 
     k = sub.add_parser("keys", help="make API keys and their digests",

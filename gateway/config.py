@@ -155,6 +155,8 @@ class DashboardConfig(Strict):
 
 
 class StatsConfig(Strict):
+    # false: no latency-model learning, no rolling samples, no latency histograms (counters stay)
+    enabled: bool = True
     window_s: float = Field(60.0, gt=0)
     max_samples: int = Field(2048, ge=16)
     model_half_life_s: float = Field(120.0, gt=0)  # the latency model forgets samples at this pace

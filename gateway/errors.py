@@ -74,6 +74,18 @@ def no_backend(model: str, retry_after: int = 1) -> GatewayError:
                         code="no_backend_available", headers={"Retry-After": str(retry_after)})
 
 
+def overloaded(model: str, status: int, retry_after: int) -> GatewayError:
+    """Every candidate is saturated: refused at once instead of queued without bound."""
+    return GatewayError(status, f"Every backend for `{model}` is saturated; retry after {retry_after} s.",
+                        code="server_is_overloaded" if status == 503 else "rate_limit_exceeded",
+                        headers={"Retry-After": str(retry_after)})
+
+
+def shutting_down() -> GatewayError:
+    return GatewayError(503, "The gateway is shutting down; retry the request.", code="shutting_down",
+                        headers={"Retry-After": "1"})
+
+
 def upstream_failed(detail: str) -> GatewayError:
     return GatewayError(502, f"The upstream engine failed: {detail}.", code="upstream_error")
 

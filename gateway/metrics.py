@@ -2,87 +2,227 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
-from typing import Callable, Iterable
+from bisect import bisect_left
+from itertools import accumulate
+from typing import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # LLM latencies span milliseconds (ITL) to minutes (long generations).
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+TTFT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+HEALTH_STATES = ("starting", "ready", "unhealthy", "draining")
+BREAKER_STATES = ("closed", "open", "half_open")
+# A policy's reason is free text; its first word is kept as a label, up to this many distinct ones.
+MAX_REASON_KINDS = 32
+
+# name, help, labels, multiprocess mode. Modes, when several worker processes each hold their own view:
+# in-flight adds up over live workers; a health/breaker state reads 1 when any live worker sees the backend
+# in it; engine load is the engine's own number, so the freshest sample any worker took wins, and the
+# sample age is the youngest one.
+POOL_GAUGES = (
+    ("shapegate_backend_health", "1 for the backend's current health state", ("backend", "engine", "state"),
+     "livemax"),
+    ("shapegate_backend_breaker", "1 for the backend's current breaker state", ("backend", "engine", "state"),
+     "livemax"),
+    ("shapegate_in_flight", "Requests in flight per backend", ("backend", "engine"), "livesum"),
+    ("shapegate_engine_running", "Engine-reported running requests", ("backend", "engine"), "livemostrecent"),
+    ("shapegate_engine_waiting", "Engine-reported queued requests", ("backend", "engine"), "livemostrecent"),
+    ("shapegate_engine_kv_usage", "Engine-reported KV cache usage (0-1)", ("backend", "engine"), "livemostrecent"),
+    ("shapegate_engine_load_age_seconds", "Age of the last engine load sample (stale ones are not used for "
+     "routing)", ("backend", "engine"), "livemin"),
+)
+
+
+def reason_kind(policy: str, reason: str) -> str:
+    """'shape:long_output itl=4ms vs 9ms' -> 'long_output': the first word, without the policy's own prefix."""
+    head = reason.split(" ", 1)[0]
+    name, sep, rest = head.partition(":")
+    if sep and name == policy:
+        head = rest
+    return head.rstrip(";,") or "none"
+
+
+def pool_samples(backends: Iterable, now: float) -> Iterator[tuple[str, tuple[str, ...], float | None]]:
+    """(metric, label values, value) for every pool gauge; None where the engine's load sample is stale."""
+    for b in backends:
+        bid, engine = b.id, b.engine
+        for s in HEALTH_STATES:
+            yield "shapegate_backend_health", (bid, engine, s), 1.0 if b.health.state == s else 0.0
+        bs = b.breaker.state(now)
+        for s in BREAKER_STATES:
+            yield "shapegate_backend_breaker", (bid, engine, s), 1.0 if bs == s else 0.0
+        yield "shapegate_in_flight", (bid, engine), float(b.in_flight)
+        if b.load is not None:
+            yield "shapegate_engine_load_age_seconds", (bid, engine), max(now - b.load.at, 0.0)
+        load = b.fresh_load(now)
+        for name, v in (("shapegate_engine_running", load.running if load else None),
+                        ("shapegate_engine_waiting", load.waiting if load else None),
+                        ("shapegate_engine_kv_usage", load.kv_usage if load else None)):
+            yield name, (bid, engine), v
+
+
+class LeanChild:
+    """One label set of a LeanHistogram."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1  # first bound >= v: Prometheus' le
+        self.sum += v
+
+
+class LeanHistogram:
+    """A histogram without prometheus_client's per-value locks (the gateway runs no threads): an observation
+    is one bisect and two additions, a quarter of the library's cost on the per-request path."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = (), buckets: Iterable[float] = ()) -> None:
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self.bounds = (*(float(b) for b in buckets), math.inf)
+        self._children: dict[tuple[str, ...], LeanChild] = {}
+
+    def labels(self, *values: str) -> LeanChild:
+        c = self._children.get(values)
+        if c is None:
+            c = self._children[values] = LeanChild(self.bounds)
+        return c
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.bounds]
+        for values, c in self._children.items():
+            fam.add_metric(list(values), list(zip(les, accumulate(c.counts))), c.sum)
+        return fam
+
+
+class LeanCollector(Collector):
+    def __init__(self, histograms: list[LeanHistogram]) -> None:
+        self._histograms = histograms
+
+    def collect(self):
+        return [h.family() for h in self._histograms]
 
 
 class PoolCollector(Collector):
-    """Reads backend health, breaker, in-flight and scraped engine load at scrape time (no per-request cost)."""
+    """One process: reads health, breaker, in-flight and engine load at scrape time (no per-request cost)."""
 
     def __init__(self, backends: Callable[[], Iterable]) -> None:
         self._backends = backends
 
     def collect(self):
-        now = time.monotonic()
-        health = GaugeMetricFamily("shapegate_backend_health", "1 for the backend's current health state",
-                                   labels=["backend", "engine", "state"])
-        breaker = GaugeMetricFamily("shapegate_backend_breaker", "1 for the backend's current breaker state",
-                                    labels=["backend", "engine", "state"])
-        in_flight = GaugeMetricFamily("shapegate_in_flight", "Requests in flight per backend",
-                                      labels=["backend", "engine"])
-        running = GaugeMetricFamily("shapegate_engine_running", "Engine-reported running requests",
-                                    labels=["backend", "engine"])
-        waiting = GaugeMetricFamily("shapegate_engine_waiting", "Engine-reported queued requests",
-                                    labels=["backend", "engine"])
-        kv = GaugeMetricFamily("shapegate_engine_kv_usage", "Engine-reported KV cache usage (0-1)",
-                               labels=["backend", "engine"])
-        for b in self._backends():
-            for s in ("starting", "ready", "unhealthy", "draining"):
-                health.add_metric([b.id, b.engine, s], 1.0 if b.health.state == s else 0.0)
-            bs = b.breaker.state(now)
-            for s in ("closed", "open", "half_open"):
-                breaker.add_metric([b.id, b.engine, s], 1.0 if bs == s else 0.0)
-            in_flight.add_metric([b.id, b.engine], b.in_flight)
-            load = b.fresh_load(now)
-            if load is not None:
-                for fam, v in ((running, load.running), (waiting, load.waiting), (kv, load.kv_usage)):
-                    if v is not None:
-                        fam.add_metric([b.id, b.engine], v)
-        yield from (health, breaker, in_flight, running, waiting, kv)
+        fams = {name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, doc, labels, _ in POOL_GAUGES}
+        for name, labels, v in pool_samples(self._backends(), time.monotonic()):
+            if v is not None:
+                fams[name].add_metric(list(labels), v)
+        yield from fams.values()
+
+
+class PoolGauges:
+    """Several processes: each worker writes its pool view into shared gauges, on a timer and before a scrape."""
+
+    def __init__(self, backends: Callable[[], Iterable], registry: CollectorRegistry) -> None:
+        self._backends = backends
+        self._gauges = {name: Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)
+                        for name, doc, labels, mode in POOL_GAUGES}
+        self._children: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+
+    def refresh(self) -> None:
+        seen = set()
+        for name, labels, v in pool_samples(self._backends(), time.monotonic()):
+            key = (name, labels)
+            seen.add(key)
+            self._child(key).set(math.nan if v is None else v)
+        # A backend a reload removed keeps its series in this worker's file: zero it rather than leave it lit.
+        for key in self._seen - seen:
+            self._child(key).set(math.nan if key[0].startswith("shapegate_engine_") else 0.0)
+        self._seen = seen
+
+    def _child(self, key):
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self._gauges[key[0]].labels(*key[1])
+        return c
 
 
 class Metrics:
-    """The gateway's metrics; children are cached per label set so the hot path skips label lookups."""
+    """The gateway's metrics; children are cached per label set so the hot path skips label lookups.
+
+    With PROMETHEUS_MULTIPROC_DIR set (`shapegate serve --workers N`), values live in that directory and a
+    scrape of any worker aggregates all of them.
+    """
 
     def __init__(self, backends: Callable[[], Iterable]) -> None:
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         r = self.registry = CollectorRegistry()
+        lean: list[LeanHistogram] = []
+
+        def histogram(name: str, doc: str, labels: list[str], buckets: tuple) -> LeanHistogram | Histogram:
+            if self.multiprocess_dir:  # values must reach the shared files
+                return Histogram(name, doc, labels, buckets=buckets, registry=r)
+            lean.append(LeanHistogram(name, doc, labels, buckets))
+            return lean[-1]
+
         self.requests = Counter("shapegate_requests", "Requests answered, by backend and status",
                                 ["backend", "model", "class", "status"], registry=r)
-        self.ttft = Histogram("shapegate_ttft_seconds", "Time to first token measured by the gateway",
-                              ["backend", "class"], buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("shapegate_itl_seconds", "Inter-token latency measured by the gateway",
-                             ["backend", "class"], buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("shapegate_e2e_seconds", "End-to-end request latency",
-                             ["backend", "class"], buckets=E2E_BUCKETS, registry=r)
-        self.overhead = Histogram("shapegate_gateway_overhead_seconds",
-                                  "Time spent in the gateway itself before the upstream call",
-                                  buckets=OVERHEAD_BUCKETS, registry=r)
+        self.ttft = histogram("shapegate_ttft_seconds", "Time to first token measured by the gateway",
+                              ["backend", "class"], TTFT_BUCKETS)
+        self.itl = histogram("shapegate_itl_seconds", "Inter-token latency measured by the gateway",
+                             ["backend", "class"], ITL_BUCKETS)
+        self.e2e = histogram("shapegate_e2e_seconds", "End-to-end request latency", ["backend", "class"], E2E_BUCKETS)
+        self.overhead = histogram("shapegate_gateway_overhead_seconds",
+                                  "Time spent in the gateway itself before the upstream call", [], OVERHEAD_BUCKETS)
+        self._overhead = self.overhead.labels() if isinstance(self.overhead, LeanHistogram) else self.overhead
         self.prompt_tokens = Counter("shapegate_prompt_tokens", "Prompt tokens", ["backend"], registry=r)
         self.completion_tokens = Counter("shapegate_completion_tokens", "Completion tokens", ["backend"],
                                          registry=r)
-        self.decisions = Counter("shapegate_routing_decisions", "Routing decisions by policy and reason",
-                                 ["policy", "backend", "reason"], registry=r)
+        self.decisions = Counter("shapegate_routing_decisions", "Routing decisions by policy, first choice "
+                                 "and reason kind", ["policy", "backend", "reason"], registry=r)
+        self.affinity_lookups = Counter("shapegate_prefix_affinity", "Prefix/session affinity lookups",
+                                        ["result"], registry=r)
         self.retries = Counter("shapegate_upstream_retries", "Failovers to another backend", ["backend"],
                                registry=r)
         self.client_errors = Counter("shapegate_upstream_client_errors", "4xx answers relayed from engines",
                                      ["backend", "status"], registry=r)
         self.rejected = Counter("shapegate_rejected", "Requests refused by the gateway itself", ["status"],
                                 registry=r)
-        r.register(PoolCollector(backends))
+        self.stream_errors = Counter("shapegate_stream_errors",
+                                     "Streams ended with an error event after output had started", ["backend"],
+                                     registry=r)
+        self.health_changes = Counter("shapegate_backend_health_changes", "Probe-driven health state changes",
+                                      ["backend", "state"], registry=r)
+        self.reloads = Counter("shapegate_config_reloads", "Configuration reloads by result", ["result"],
+                               registry=r)
+        self.log_dropped = Counter("shapegate_access_log_dropped", "Access log lines dropped because stdout "
+                                   "did not keep up", registry=r)
+        Gauge("shapegate_workers", "Gateway worker processes serving", registry=r,
+              multiprocess_mode="livesum").set(1)
+        if self.multiprocess_dir:
+            self._pool: PoolGauges | None = PoolGauges(backends, r)
+        else:
+            self._pool = None
+            r.register(PoolCollector(backends))
+            r.register(LeanCollector(lean))
         self._children: dict[tuple, tuple] = {}
+        self._decisions: dict[tuple[str, str, str], object] = {}
+        self._kinds: set[str] = set()
+        self._affinity = (self.affinity_lookups.labels("miss"), self.affinity_lookups.labels("hit"))
 
-    def observe(self, backend: str, model: str, klass: str, status: int, ttft: float | None,
-                itl: float | None, e2e: float, prompt: int, completion: int, overhead: float) -> None:
+    def _request_children(self, backend: str, model: str, klass: str, status: int) -> tuple:
         key = (backend, model, klass, status)
         c = self._children.get(key)
         if c is None:
@@ -90,7 +230,11 @@ class Metrics:
                 self.requests.labels(backend, model, klass, str(status)), self.ttft.labels(backend, klass),
                 self.itl.labels(backend, klass), self.e2e.labels(backend, klass),
                 self.prompt_tokens.labels(backend), self.completion_tokens.labels(backend))
-        req, h_ttft, h_itl, h_e2e, c_prompt, c_completion = c
+        return c
+
+    def observe(self, backend: str, model: str, klass: str, status: int, ttft: float | None,
+                itl: float | None, e2e: float, prompt: int, completion: int, overhead: float) -> None:
+        req, h_ttft, h_itl, h_e2e, c_prompt, c_completion = self._request_children(backend, model, klass, status)
         req.inc()
         if ttft is not None:
             h_ttft.observe(ttft)
@@ -101,10 +245,32 @@ class Metrics:
             c_prompt.inc(prompt)
         if completion:
             c_completion.inc(completion)
-        self.overhead.observe(overhead)
+        self._overhead.observe(overhead)
+
+    def count(self, backend: str, model: str, klass: str, status: int, prompt: int, completion: int) -> None:
+        """observe() without the histograms: what stays on when stats upkeep is switched off."""
+        req, _, _, _, c_prompt, c_completion = self._request_children(backend, model, klass, status)
+        req.inc()
+        if prompt:
+            c_prompt.inc(prompt)
+        if completion:
+            c_completion.inc(completion)
 
     def decision(self, policy: str, backend: str, reason: str) -> None:
-        self.decisions.labels(policy, backend, reason).inc()
+        kind = reason_kind(policy, reason)
+        if kind not in self._kinds:
+            if len(self._kinds) >= MAX_REASON_KINDS:
+                kind = "other"  # a policy that puts numbers in its first word must not explode the series
+            else:
+                self._kinds.add(kind)
+        key = (policy, backend, kind)
+        c = self._decisions.get(key)
+        if c is None:
+            c = self._decisions[key] = self.decisions.labels(policy, backend, kind)
+        c.inc()
+
+    def affinity(self, hit: bool) -> None:
+        self._affinity[hit].inc()
 
     def retry(self, backend: str) -> None:
         self.retries.labels(backend).inc()
@@ -112,8 +278,31 @@ class Metrics:
     def client_error(self, backend: str, status: int) -> None:
         self.client_errors.labels(backend, str(status)).inc()
 
+    def stream_error(self, backend: str) -> None:
+        self.stream_errors.labels(backend).inc()
+
+    def health_change(self, backend: str, state: str) -> None:
+        self.health_changes.labels(backend, state).inc()
+
+    def reload(self, result: str) -> None:
+        self.reloads.labels(result).inc()
+
     def reject(self, status: int) -> None:
         self.rejected.labels(str(status)).inc()
 
+    def log_drop(self, lines: int) -> None:
+        self.log_dropped.inc(lines)
+
+    def refresh(self) -> None:
+        """Write this worker's pool view for the other workers' scrapes (a no-op in one process)."""
+        if self._pool is not None:
+            self._pool.refresh()
+
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.refresh()
+        # Reads every worker's small value files (page cache, once per scrape) and merges them.
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self.multiprocess_dir)
+        return generate_latest(merged)

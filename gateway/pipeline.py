@@ -14,8 +14,8 @@ from gateway.admission import admit
 from gateway.contracts import Outcome, RequestShape, RouteInput, UpstreamCall
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
-from gateway.failover import (CONNECT_ERRORS, TRANSPORT_ERRORS, Retryable, charge_status, retry_after_header,
-                              retry_after_s)
+from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
+                              hung_hold)
 from gateway.relay import SSERelay, StreamMeter, model_rewriter, rewrite
 from gateway.shape import classify
 
@@ -65,6 +65,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
                      learned_output=g.estimator.expected(principal.id, body["model"]),
                      session_in_flight=g.session_load(request.headers, body),
                      want_prefix=g.wants_prefix)
+    request[SHAPE] = shape
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     now = time.monotonic()
@@ -73,9 +74,12 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
         raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
     candidates = admit(candidates, shape.model, shape.klass, now, g.cfg.admission)
     policy = g.policy_for(shape.model)
-    affinity, cached = g.affinity.lookup(shape) if g.affinity is not None else (None, 0)
+    affinity, cached = None, 0
+    if g.affinity is not None:
+        affinity, cached = g.affinity.lookup(shape)
+        g.metrics.affinity(affinity is not None)
     decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached))
-    request[SHAPE] = shape
+    g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     request[REASON] = decision.reason
     return await dispatch(request, g, shape, body, raw, decision, t_in)
 
@@ -90,8 +94,8 @@ async def dispatch(request, g, shape: RequestShape, body, raw, decision, t_in: f
     # A stream's class deadline for the first byte; the last candidate always gets first_byte_timeout_s.
     class_ttft = cfg.upstream.ttft_deadline_s.get(shape.klass) if shape.stream else None
     last_error: GatewayError | None = None
-    failed: list[str] = []
-    suspects: list = []  # backends that answered HTTP 500: charged only if another engine then serves it
+    failed: list[str] | None = None  # made on the first failure: the common path allocates nothing
+    suspect = None  # a backend that answered HTTP 500: charged only if another engine then serves the request
     tried = 0
     ranked = decision.ranked
     for i, view in enumerate(ranked):
@@ -114,16 +118,15 @@ async def dispatch(request, g, shape: RequestShape, body, raw, decision, t_in: f
             resp = await attempt(request, g, b, shape, body, call, native, t_in, first_byte_s)
         except Retryable as r:
             last_error = r.error
-            failed.append(b.id)
+            failed = [b.id] if failed is None else [*failed, b.id]
             g.metrics.retry(b.id)
             if r.suspect:
-                if suspects:
+                if suspect is not None:
                     raise r.error from None  # two engines fail this request the same way: it is the request
-                suspects.append(b)
+                suspect = b
             continue
-        now = time.monotonic()
-        for s in suspects:
-            s.breaker.on_failure(now)  # another engine served what this one answered with a 500
+        if suspect is not None:
+            suspect.breaker.on_failure(time.monotonic())  # another engine served what this one gave a 500 for
         return resp
     if last_error is not None:
         raise last_error
@@ -145,7 +148,8 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
     loop_now = time.monotonic
     b.in_flight += 1
     running_at_start = b.in_flight - 1
-    b.breaker.on_attempt(loop_now())
+    started = loop_now()
+    b.breaker.on_attempt(started)
     session = g.session_enter(request.headers, body)
     t0 = time.perf_counter()
     reply = None
@@ -155,33 +159,21 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
     try:
         try:
             reply = await b.adapter.forward(call, first_byte_s)
-        except CONNECT_ERRORS as e:
-            # Nothing listens (process down or restarting): keep traffic away until probes say otherwise.
-            b.breaker.on_failure(loop_now(), hold_s=cfg.health.breaker_open_s)
-            raise Retryable(upstream_failed("could not connect to the engine")) from e
         except TRANSPORT_ERRORS as e:
-            b.breaker.on_failure(loop_now())
-            raise Retryable(upstream_timeout("no response in time") if isinstance(e, TimeoutError)
-                            else upstream_failed("connection lost before the response")) from e
+            raise charge_send_error(b, e, started, cfg.health) from e
         status = reply.status
         if status >= 400:
             err = normalize_engine_error(status, await _read_quietly(reply))
-            charge = charge_status(status)
-            if charge == "client":
+            retry = charge_engine_error(b, err, reply.headers, cfg.health)
+            if retry is None:
                 engine_ok = True  # the engine answered properly; the request was at fault
                 g.metrics.client_error(b.id, status)
                 raise err  # never retried, never counted against the engine
-            if charge == "hold":
-                hold = retry_after_s(reply.headers, cfg.health.overload_hold_s)
-                b.breaker.on_failure(loop_now(), hold_s=hold)
-                err.headers["Retry-After"] = retry_after_header(hold)
-            elif charge == "failure":
-                b.breaker.on_failure(loop_now())
-            raise Retryable(err, suspect=charge == "suspect")
+            raise retry
         pairs = model_rewriter(native, shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(request, g, b, reply, meter, pairs, body, first_by)
+            resp = await stream_reply(request, g, b, reply, meter, pairs, body, started, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
@@ -193,6 +185,8 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
         usage = _usage_of(data)
         outcome_ok = True
+        if started > b.last_output:
+            b.last_output = started
         return web.Response(body=rewrite(data, pairs) if pairs else data, status=status,
                             headers=g.reply_headers(request, reply.headers))
     except Retryable as r:
@@ -204,7 +198,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
         if reply is not None:
             reply.close()
         if outcome_ok or engine_ok:
-            b.breaker.on_success()
+            b.breaker.on_success(started)
         else:
             b.breaker.release()  # no verdict (client left, a 500 still under judgement): free a half-open trial
         g.record(request, b, shape, Outcome(
@@ -217,7 +211,8 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
             cached_tokens=_cached(usage), running_at_start=running_at_start), t_in, t0)
 
 
-async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, first_by: float) -> web.StreamResponse:
+async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, started: float,
+                       first_by: float) -> web.StreamResponse:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     chunks = reply.iter_chunks().__aiter__()
     try:
@@ -226,10 +221,14 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, fi
     except StopAsyncIteration:
         b.breaker.on_failure(time.monotonic())
         raise Retryable(upstream_failed("the engine closed the stream without sending anything")) from None
+    except TimeoutError as e:
+        b.breaker.on_failure(time.monotonic(), hold_s=hung_hold(b, started, g.cfg.health.breaker_open_s))
+        raise Retryable(upstream_timeout("no first token in time")) from e
     except TRANSPORT_ERRORS as e:
         b.breaker.on_failure(time.monotonic())
-        raise Retryable(upstream_timeout("no first token in time") if isinstance(e, TimeoutError)
-                        else upstream_failed("connection lost before the first token")) from e
+        raise Retryable(upstream_failed("connection lost before the first token")) from e
+    if started > b.last_output:
+        b.last_output = started
     if first.startswith((b'data: {"error"', b'data:{"error"')):
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
         err = error_from_event(orjson.loads(first.split(b"\n\n", 1)[0][5:]))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable
 
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.contracts import DRAINING, READY, BackendView, LoadSample
+from gateway.contracts import READY, BackendView, LoadSample
 from gateway.health import Breaker, HealthState
 from gateway.stats import BackendStats, LatencyModel
 
@@ -25,7 +26,9 @@ class BackendState:
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
         self.load: LoadSample | None = None
-        self.latency = LatencyModel(cfg.hints)
+        self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
+        self.last_output = float("-inf")  # start time of the latest-started request that got output here
+        self.latency = LatencyModel(cfg.hints, gcfg.stats.model_half_life_s, gcfg.stats.warmup_samples)
         self.stats = BackendStats(gcfg.stats.max_samples)
         self.next_probe = 0.0
         self._load_stale_s = gcfg.health.load_stale_s
@@ -35,6 +38,9 @@ class BackendState:
         return self.health.state == READY and self.breaker.allows(now)
 
     def fresh_load(self, now: float) -> LoadSample | None:
+        """The last load sample, or None once it is older than load_stale_s (the engine stopped answering
+        scrapes): policies then rank this backend by the gateway's own in-flight count alone, and
+        admission control ignores its queue and slot figures."""
         load = self.load
         return load if load is not None and now - load.at <= self._load_stale_s else None
 
@@ -42,17 +48,22 @@ class BackendState:
         return BackendView(self.id, self.engine, self.in_flight, self.latency.estimate(), self.fresh_load(now),
                            self.classes, self.cfg.interactive, self.cfg.weight)
 
-    async def warm_up(self) -> None:
+    async def warm_up(self, timeout: float) -> bool:
         model = next(iter(self.models.values()))
-        await self.adapter.warm_up(model, timeout=30.0)
+        return await self.adapter.warm_up(model, timeout=timeout)
 
 
 class Pool:
-    """All backends by id and by public model name; rebuilt atomically on config reload."""
+    """All backends by id and by public model name; rebuilt atomically on config reload.
+
+    Backends removed by a reload leave the index at once (no new requests) but stay listed as
+    draining until their last in-flight request ends.
+    """
 
     def __init__(self, backends: Iterable[BackendState]) -> None:
         self._by_id: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
+        self._draining: list[BackendState] = []
         self.ready_count = 0
         for b in backends:
             self.add(b)
@@ -74,7 +85,10 @@ class Pool:
         return b
 
     def all(self) -> list[BackendState]:
-        return list(self._by_id.values())
+        """Active backends, then draining ones (a draining backend replaced under the same id is not listed)."""
+        out = list(self._by_id.values())
+        out.extend(b for b in self._draining if b.id not in self._by_id)
+        return out
 
     def get(self, backend_id: str) -> BackendState | None:
         return self._by_id.get(backend_id)
@@ -94,6 +108,12 @@ class Pool:
                 out.append(b)
         return out
 
+    def retry_hint(self, model: str, now: float) -> int:
+        """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening."""
+        waits = [b.breaker.reopens_in(now) for b in self._by_model.get(model, ()) if b.health.state == READY]
+        soonest = min((w for w in waits if w > 0), default=1.0)
+        return int(min(max(math.ceil(soonest), 1), 120))
+
     def on_health_change(self, b: BackendState) -> None:
         self.ready_count = sum(1 for x in self._by_id.values() if x.health.state == READY)
 
@@ -101,15 +121,21 @@ class Pool:
         now = time.monotonic()
         return any(b.usable(now) for b in self._by_id.values())
 
-    def drain(self, backend_id: str) -> None:
-        b = self._by_id.get(backend_id)
+    def drain(self, backend_id: str) -> BackendState | None:
+        """Take a backend out of routing; its in-flight requests finish, then sweep_drained forgets it."""
+        b = self.remove(backend_id)
         if b is not None:
             b.health.drain()
-            for lst in self._by_model.values():
-                if b in lst:
-                    lst.remove(b)
-            self._by_model = {k: v for k, v in self._by_model.items() if v}
+            self._draining.append(b)
+            self.on_health_change(b)
+        return b
 
-    def sweep_drained(self) -> None:
-        for b in [b for b in self._by_id.values() if b.health.state == DRAINING and b.in_flight == 0]:
-            self._by_id.pop(b.id, None)
+    def sweep_drained(self) -> list[BackendState]:
+        done = [b for b in self._draining if b.in_flight == 0]
+        if done:
+            self._draining = [b for b in self._draining if b.in_flight > 0]
+            for b in done:
+                close = getattr(b.adapter, "close", None)
+                if close is not None:
+                    close()  # idle upstream connections of a backend that is gone
+        return done

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import select
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 import orjson
@@ -18,13 +20,16 @@ from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.contracts import Outcome, Policy, RequestShape
 from gateway.metrics import Metrics
-from gateway.pipeline import BACKEND, REASON, REQUEST_ID
+from gateway.pipeline import BACKEND, PRINCIPAL, REASON, REQUEST_ID, SHAPE
 from gateway.pool import BackendState, Pool
 from gateway.shape import session_of
 from gateway.state import AffinityIndex
 from gateway.stats import OutputEstimator
 
 SAFE_UPSTREAM_HEADERS = ("content-type",)
+OUTCOME = web.RequestKey("outcome", Outcome)
+MAX_PENDING_LINES = 50_000  # access-log lines held while stdout does not take them; the oldest go first
+log = logging.getLogger("shapegate")
 
 
 def build_policy(name: str, params: Mapping[str, Any]) -> Policy:
@@ -36,12 +41,16 @@ def build_policy(name: str, params: Mapping[str, Any]) -> Policy:
 
 
 class AccessLog:
-    """One JSON line per request, batched so the loop never waits on stdout per request."""
+    """One JSON line per request, batched, and written to stdout without ever blocking the loop."""
 
-    def __init__(self, enabled: bool, stream=None) -> None:
+    def __init__(self, enabled: bool, stream=None, on_drop: Callable[[int], None] | None = None) -> None:
         self.enabled = enabled
         self._stream = stream or sys.stdout
         self._lines: list[bytes] = []
+        self._rest = b""  # the unwritten tail of a partial write; goes out first
+        self._fd: int | None = None
+        self._was_blocking = True
+        self._on_drop = on_drop
 
     def write(self, entry: dict) -> None:
         if self.enabled:
@@ -49,16 +58,61 @@ class AccessLog:
             if len(self._lines) >= 256:
                 self.flush()
 
-    def flush(self) -> None:
-        if self._lines:
-            data = b"\n".join(self._lines) + b"\n"
-            self._lines.clear()
-            out = getattr(self._stream, "buffer", None)
-            if out is not None:
-                out.write(data)
+    def _fileno(self) -> int | None:
+        if self._fd is None:
+            try:
+                self._fd = self._stream.fileno()
+            except (AttributeError, OSError, ValueError):
+                self._fd = -1  # an in-memory stream (tests)
             else:
-                self._stream.write(data.decode())
+                # A full pipe must not stall the loop: lines wait in memory and go out on a later flush.
+                self._was_blocking = os.get_blocking(self._fd)
+                os.set_blocking(self._fd, False)
+        return self._fd if self._fd >= 0 else None
+
+    def flush(self) -> None:
+        if not self._lines and not self._rest:
+            return
+        fd = self._fileno()
+        if fd is None:
+            self._stream.write(b"".join(x + b"\n" for x in self._lines).decode())
             self._stream.flush()
+            self._lines.clear()
+            return
+        lines, i = self._lines, 0
+        try:
+            if self._rest:
+                self._rest = self._rest[os.write(fd, self._rest):]
+            while i < len(lines) and not self._rest:
+                # Writes of up to PIPE_BUF bytes are atomic on a pipe: workers sharing stdout never split a line.
+                j, size = i + 1, len(lines[i]) + 1
+                while j < len(lines) and size + len(lines[j]) + 1 <= select.PIPE_BUF:
+                    size += len(lines[j]) + 1
+                    j += 1
+                data = b"\n".join(lines[i:j]) + b"\n"
+                self._rest = data[os.write(fd, data):]
+                i = j
+        except BlockingIOError:
+            pass  # stdout is full: the rest waits for the next flush
+        except OSError as e:
+            log.error("access log disabled: stdout refused a write (%s)", e)
+            self.enabled, self._rest, i = False, b"", len(lines)
+        del lines[:i]
+        if len(lines) > MAX_PENDING_LINES:
+            dropped = len(lines) - MAX_PENDING_LINES
+            del lines[:dropped]
+            if self._on_drop is not None:
+                self._on_drop(dropped)
+
+    def close(self) -> None:
+        """Last flush at shutdown: wait for stdout rather than lose the final lines; leave stdout as it was."""
+        if self._lines or self._rest:
+            fd = self._fileno()
+            if fd is not None:
+                os.set_blocking(fd, True)
+            self.flush()
+        if self._fd is not None and self._fd >= 0:
+            os.set_blocking(self._fd, self._was_blocking)
 
 
 class Gateway:
@@ -73,14 +127,15 @@ class Gateway:
                                for name, m in cfg.routing.models.items()}
         self.wants_prefix = any(getattr(p, "needs_prefix", False)
                                 for p in (self.default_policy, *self.model_policies.values()))
-        # Prefix/session -> backend, only when some policy uses it (hashing prompts costs CPU otherwise).
-        self.affinity = AffinityIndex(max_entries=cfg.state.affinity_max_entries, ttl_s=cfg.state.affinity_ttl_s,
-                                      block_chars=cfg.shape.prefix_block_chars,
-                                      shared=cfg.state.backend == "redis") if self.wants_prefix else None
+        # Prefix/session -> backend. Always built (empty it costs nothing), used only while some policy
+        # needs it, so that a reload that switches to such a policy finds it ready.
+        self.affinity_index = AffinityIndex(max_entries=cfg.state.affinity_max_entries,
+                                            ttl_s=cfg.state.affinity_ttl_s, block_chars=cfg.shape.prefix_block_chars,
+                                            shared=cfg.state.backend == "redis")
         self.pool = Pool([])
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
-        self.access_log = AccessLog(cfg.server.access_log)
+        self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
         # Shutdown: `stopping` turns /readyz false; `cutting` marks the end of the grace period, when
@@ -103,8 +158,17 @@ class Gateway:
             pool_limit=self.cfg.upstream.pool_limit_per_backend, keepalive_s=self.cfg.upstream.keepalive_s)
         return BackendState(bc, adapter, self.cfg)
 
+    @property
+    def affinity(self) -> AffinityIndex | None:
+        """The affinity index while some policy uses it (hashing and recording prompts costs CPU otherwise)."""
+        return self.affinity_index if self.wants_prefix else None
+
     def policy_for(self, model: str) -> Policy:
         return self.model_policies.get(model, self.default_policy)
+
+    def policy_name(self, model: str) -> str:
+        m = self.cfg.routing.models.get(model)
+        return (m.policy if m is not None else None) or self.cfg.routing.policy
 
     # -- sessions: how many requests of one session are in flight (interactive = one at a time) --
     def session_load(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> int:
@@ -136,26 +200,41 @@ class Gateway:
     # -- record stage ----------------------------------------------------------------------------
     def record(self, request: web.Request, b: BackendState, shape: RequestShape, o: Outcome,
                t_in: float, t_upstream: float) -> None:
-        now = time.monotonic()
-        load = b.load
-        b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
-                        slots=load.total_slots if load is not None else None)
-        b.stats.add(o, now)
+        request[OUTCOME] = o  # the last attempt's outcome is the request's, for its access-log line
+        if self.cfg.stats.enabled:
+            now = time.monotonic()
+            load = b.load
+            b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
+                            slots=load.total_slots if load is not None else None)
+            b.stats.add(o, now)
+            self.metrics.observe(b.id, shape.model, shape.klass, o.status, o.ttft, o.itl, o.e2e,
+                                 o.prompt_tokens, o.completion_tokens, t_upstream - t_in)
+        else:
+            self.metrics.count(b.id, shape.model, shape.klass, o.status, o.prompt_tokens, o.completion_tokens)
         policy = self.policy_for(shape.model)
         policy.observe(o)
         if self.affinity is not None and o.ok:
             self.affinity.record(shape, b.id)
         if o.ok and shape.output_tokens and o.completion_tokens and shape.route != "embeddings":
             self.estimator.learn(shape.principal, shape.model, o.completion_tokens)
-        self.metrics.observe(b.id, shape.model, shape.klass, o.status, o.ttft, o.itl, o.e2e,
-                             o.prompt_tokens, o.completion_tokens, t_upstream - t_in)
-        if self.access_log.enabled:
-            self.access_log.write({
-                "ts": round(time.time(), 3), "request_id": request.get(REQUEST_ID),
-                "principal": shape.principal, "model": shape.model, "class": shape.klass,
-                "backend": b.id, "reason": request.get(REASON), "status": o.status, "stream": shape.stream,
-                "ttft_ms": _ms(o.ttft), "itl_ms": _ms(o.itl), "e2e_ms": _ms(o.e2e),
-                "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens})
+
+    def log_request(self, request: web.Request, status: int) -> None:
+        """The request's one access-log line, whatever its ending: served, failed over, refused, client gone."""
+        if not self.access_log.enabled:
+            return
+        shape: RequestShape | None = request.get(SHAPE)
+        o: Outcome | None = request.get(OUTCOME)
+        if o is not None and status == 200 and not o.ok:
+            status = o.status  # the stream had started (200 sent), then failed
+        principal = request.get(PRINCIPAL)
+        self.access_log.write({
+            "ts": round(time.time(), 3), "request_id": request.get(REQUEST_ID),
+            "principal": getattr(principal, "id", None), "model": shape.model if shape else None,
+            "class": shape.klass if shape else None, "backend": request.get(BACKEND),
+            "reason": request.get(REASON), "status": status, "stream": shape.stream if shape else None,
+            "ttft_ms": _ms(o.ttft) if o else None, "itl_ms": _ms(o.itl) if o else None,
+            "e2e_ms": _ms(o.e2e) if o else None, "prompt_tokens": o.prompt_tokens if o else None,
+            "completion_tokens": o.completion_tokens if o else None})
 
 
 def _ms(v: float | None) -> float | None:
@@ -182,6 +261,9 @@ def stats_report(gw: Gateway) -> dict:
         rep = b.stats.report(now_m, window)
         load = b.fresh_load(now_m)
         est = b.latency.estimate()
+        # What the latency model predicts right now for each class's typical prompt (queue wait aside).
+        for s in (rep["overall"], *rep["classes"].values()):
+            s["predicted"] = _predicted(est, s["prompt_tokens_p50"], b.in_flight)
         rows.append({
             "id": b.id, "engine": b.engine, "health": b.health.state, "breaker": b.breaker.state(now_m),
             "in_flight": b.in_flight,
@@ -191,7 +273,8 @@ def stats_report(gw: Gateway) -> dict:
             **rep,
             "model": {"ttft_t0_ms": round(est.ttft_t0 * 1000, 3), "prefill_tps": round(est.prefill_rate, 1),
                       "itl_a_ms": round(est.itl_a * 1000, 3), "itl_b_ms": round(est.itl_b * 1000, 4),
-                      "samples": est.samples},
+                      "ttft_per_running_ms": round(est.ttft_per_running * 1000, 4),
+                      "service_ms": round(est.service_s * 1000, 3), "samples": est.samples},
         })
         for klass, s in rep["classes"].items():
             m = mix.setdefault(klass, {"requests": 0, "share": 0.0, "backends": {}})
@@ -201,6 +284,13 @@ def stats_report(gw: Gateway) -> dict:
     errors = sum(r["overall"]["requests"] * r["overall"]["error_rate"] for r in rows)
     for m in mix.values():
         m["share"] = m["requests"] / total if total else 0.0
-    return {"now": time.time(), "window_s": window, "backends": rows, "classes": mix,
-            "totals": {"requests": total, "rps": total / window, "error_rate": errors / total if total else 0.0,
+    return {"now": time.time(), "window_s": window, "enabled": gw.cfg.stats.enabled, "backends": rows,
+            "classes": mix,
+            "totals": {"requests": total, "rps": sum(r["overall"]["rps"] for r in rows),
+                       "error_rate": errors / total if total else 0.0,
                        "in_flight": sum(r["in_flight"] for r in rows)}}
+
+
+def _predicted(est, prompt_tokens: float | None, running: int) -> dict:
+    n = prompt_tokens or 0
+    return {"prompt_tokens": n, "ttft_ms": _ms(est.ttft(n, running=running)), "itl_ms": _ms(est.itl(running + 1))}

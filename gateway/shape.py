@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, Mapping
-from zlib import crc32
+from zlib import adler32, crc32
 
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, RequestShape
@@ -41,23 +41,34 @@ def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
 
 
 def prefix_hashes(model: str, salt: str, text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
-    """Chained hashes of whole fixed-size character blocks: equal hash i means equal first i+1 blocks."""
+    """Chained 63-bit hashes of whole fixed-size character blocks: equal hash i means equal first i+1 blocks.
+
+    Two running checksums (CRC-32 and Adler-32) over the same bytes, side by side: one 32-bit chain alone
+    collides too often for an index of ~10^5 prefixes. Both are stable across processes (replicas share
+    them through Redis), unlike Python's salted hash().
+    """
     n = min(len(text) // block_chars, max_blocks)
     if n == 0:
         return ()
+    seed = f"{model}\x00{salt}\x00".encode()
+    c, a = crc32(seed), adler32(seed)
+    out = []
     data = text[: n * block_chars].encode("utf-8", "surrogatepass")
     # Block boundaries in characters, not bytes, so that the same text always splits the same way.
-    h = crc32(f"{model}\x00{salt}".encode())
-    out = []
-    if len(data) == n * block_chars:  # ASCII fast path: characters are bytes
-        for i in range(n):
-            h = crc32(data[i * block_chars:(i + 1) * block_chars], h)
-            out.append(h)
-        return tuple(out)
+    ascii_only = len(data) == n * block_chars
     for i in range(n):
-        h = crc32(text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass"), h)
-        out.append(h)
+        block = data[i * block_chars:(i + 1) * block_chars] if ascii_only else \
+            text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass")
+        c = crc32(block, c)
+        a = adler32(block, a)
+        out.append(((c & 0x7FFFFFFF) << 32) | a)
     return tuple(out)
+
+
+def session_key(model: str, session: str) -> int:
+    """A session id as a 63-bit key in the same space as prefix hashes (never equal to one: other seed)."""
+    data = f"\x01session\x00{model}\x00{session}".encode("utf-8", "surrogatepass")
+    return ((crc32(data) & 0x7FFFFFFF) << 32) | adler32(data)
 
 
 def requested_output(body: Mapping[str, Any]) -> int | None:
@@ -98,7 +109,7 @@ def classify(*, route: str, body: Mapping[str, Any], headers: Mapping[str, str],
         klass = DEFAULT
     elif stream and session and session_in_flight == 0 and output < cfg.long_output_tokens:
         klass = INTERACTIVE
-    elif prompt_tokens >= cfg.long_prompt_tokens and prompt_tokens >= output:
+    elif prompt_tokens >= cfg.long_prompt_tokens and prompt_tokens >= cfg.prefill_ratio * output:
         klass = LONG_PROMPT
     elif output >= cfg.long_output_tokens:
         klass = LONG_OUTPUT

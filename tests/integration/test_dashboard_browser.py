@@ -1,51 +1,37 @@
-"""Dashboard end to end: routes on loopback, and a real browser reading numbers measured from real streams."""
+"""Dashboard end to end: a real browser on a real gateway in front of simulated engines under live traffic."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import random
-import socket
 import time
-from collections import deque
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import orjson
+import openai
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from gateway.dashboard import COOKIE_NAME, setup_dashboard
-from gateway.dashboard.session import issue_token
-from tests.integration.browser import (
-    Cookie,
-    FormLogin,
-    chromium_available,
-    open_page,
-    screenshot_and_read,
-)
+import gateway.app
+from gateway.sim.faults import FaultSpec
+from gateway.sim.runner import SimOptions, SimServer, start_sim
+from tests.fake_engine import free_port
+from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
+from tests.integration.browser import FormLogin, chromium_available, open_page, screenshot_and_read
 
-ADMIN_KEY = "sk-admin-4b1d9c0e7a2f5e8b3c6d"
-USER_KEY = "sk-user-0f3a6c9e2b5d8a1c4e7b"
-SECRET = b"dashboard-test-secret-0123456789"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "dashboard.png"
-WINDOW_S = 10.0
-# class -> (output tokens, weight of each echo backend); the echo-down share makes real errors.
+BACKENDS = ("vllm-1", "sglang-1", "llama-1")
+LONG_PROMPT = "Summarise the following report section by section, keeping every figure. " * 60
+# class -> (prompt, max output tokens, session header?)
 SHAPES = {
-    "interactive": (6, (0.7, 0.2, 0.1)),
-    "long_prompt": (12, (0.3, 0.6, 0.1)),
-    "long_output": (40, (0.8, 0.15, 0.05)),
-    "default": (16, (0.45, 0.45, 0.1)),
+    "interactive": ("hi, quick question", 24, True),
+    "long_prompt": (LONG_PROMPT, 48, False),
+    "long_output": ("write a long story", 640, False),
+    "default": ("hello there", 96, False),
 }
-
-
-def admin_for_key(key: str) -> str | None:
-    return "admin-1" if hmac.compare_digest(key.encode(), ADMIN_KEY.encode()) else None
 
 
 @pytest.fixture
@@ -58,187 +44,78 @@ def chromium() -> None:
     pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
 
 
-def echo_engine(ttft_s: float, itl_s: float, rng: random.Random) -> web.Application:
-    """An SSE server that streams `max_tokens` chunks with jittered first-token and inter-token delays."""
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        n = int(orjson.loads(await request.read())["max_tokens"])
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.sleep(ttft_s * rng.uniform(0.6, 1.6))
-        for i in range(n):
-            if i:
-                await asyncio.sleep(itl_s * rng.uniform(0.5, 1.7))
-            await resp.write(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
-
-
-@dataclass
-class Sample:
-    t: float
-    cls: str
-    ok: bool
-    ttft_ms: float | None
-    itl_ms: list[float]
-    e2e_ms: float
-    tokens: int
-
-
-@dataclass
-class Meter:
-    id: str
-    engine: str
-    url: str
-    in_flight: int = 0
-    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=5000))
-
-
-async def measure(http: aiohttp.ClientSession, meter: Meter, cls: str, n: int) -> bool:
-    """One streamed request; TTFT and ITL are taken from the arrival of each SSE line."""
-    meter.in_flight += 1
-    start = last = time.monotonic()
-    first: float | None = None
-    itl: list[float] = []
-    tokens = 0
-    ok = False
-    try:
-        async with http.post(meter.url, data=orjson.dumps({"max_tokens": n, "stream": True})) as resp:
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.monotonic()
-                if first is None:
-                    first = now
-                else:
-                    itl.append((now - last) * 1000)
-                last, tokens = now, tokens + 1
-            ok = resp.status == 200 and tokens == n
-    except aiohttp.ClientError:
-        ok = False
-    finally:
-        meter.in_flight -= 1
-    ttft = None if first is None else (first - start) * 1000
-    meter.samples.append(Sample(time.time(), cls, ok, ttft, itl, (time.monotonic() - start) * 1000, tokens))
-    return ok
-
-
-async def drive(meters: list[Meter], rng: random.Random, stop: asyncio.Event, deadline: float) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-        for _ in range(5000):  # bounded in count and in time
-            if stop.is_set() or time.monotonic() > deadline:
-                return
-            cls = rng.choice(list(SHAPES))
-            n, weights = SHAPES[cls]
-            meter = rng.choices(meters, weights=weights)[0]
-            if not await measure(http, meter, cls, n):
-                await asyncio.sleep(0.1)
-
-
-def pcts(values: list[float]) -> dict[str, float | None]:
-    xs = sorted(values)
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    return {f"p{q}": xs[min(len(xs) - 1, int(q / 100 * len(xs)))] for q in (50, 90, 99)}
-
-
-def summarize(samples: list[Sample], span_s: float) -> dict[str, Any]:
-    good = [s for s in samples if s.ok]
-    return {
-        "requests": len(samples),
-        "rps": len(samples) / span_s,
-        "error_rate": (len(samples) - len(good)) / len(samples) if samples else None,
-        "output_tps": sum(s.tokens for s in samples) / span_s,
-        "ttft_ms": pcts([s.ttft_ms for s in good if s.ttft_ms is not None]),
-        "itl_ms": pcts([x for s in good for x in s.itl_ms]),
-        "e2e_ms": pcts([s.e2e_ms for s in good]),
-    }
-
-
-def feed(meters: list[Meter], started: float) -> dict[str, Any]:
-    """The dashboard feed shape, computed from the measured samples of the last WINDOW_S seconds."""
-    now = time.time()
-    span = max(0.5, min(WINDOW_S, now - started))
-    recent = {m.id: [s for s in m.samples if s.t >= now - WINDOW_S] for m in meters}
-    backends = []
-    for m in meters:
-        rows, tail = recent[m.id], list(m.samples)[-3:]
-        overall = summarize(rows, span)
-        health = "starting" if not tail else "unhealthy" if not any(s.ok for s in tail) else "ready"
-        breaker = "open" if len(rows) >= 3 and (overall["error_rate"] or 0) >= 0.5 else "closed"
-        backends.append({
-            "id": m.id, "engine": m.engine, "health": health, "breaker": breaker, "in_flight": m.in_flight,
-            "load": {"running": m.in_flight, "waiting": 0, "kv_usage": None, "idle_slots": None, "fresh": True},
-            "overall": overall,
-            "classes": {c: summarize([s for s in rows if s.cls == c], span) for c in SHAPES},
-            "model": {"ttft_t0_ms": None, "prefill_tps": None, "itl_a_ms": None, "itl_b_ms": None,
-                      "samples": len(m.samples)},
-        })
-    total = sum(len(r) for r in recent.values())
-    classes = {}
-    for c in SHAPES:
-        per = {m.id: sum(1 for s in recent[m.id] if s.cls == c) for m in meters}
-        classes[c] = {"requests": sum(per.values()), "share": sum(per.values()) / total if total else None,
-                      "backends": per}
-    errors = sum(1 for r in recent.values() for s in r if not s.ok)
-    return {"now": now, "window_s": WINDOW_S, "backends": backends, "classes": classes,
-            "totals": {"requests": total, "rps": total / span, "error_rate": errors / total if total else None,
-                       "in_flight": sum(m.in_flight for m in meters)}}
-
-
 @dataclass
 class Live:
-    url: str
-    served: deque[dict[str, Any]]
+    gw: RunningGateway
+    served: list[dict[str, Any]] = field(default_factory=list)  # every feed payload the gateway produced
+    client_ttft: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    sent: int = 0
     failing: bool = False
 
+    @property
+    def url(self) -> str:
+        return self.gw.url + "/dashboard"
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+async def drive(live: Live, rng: random.Random, stop: asyncio.Event) -> None:
+    """Streams of every class through the gateway with the official client, TTFT timed per backend."""
+    async with openai.AsyncOpenAI(base_url=live.gw.url + "/v1", api_key=USER_KEY, max_retries=0,
+                                  timeout=20.0) as client:
+        while not stop.is_set():
+            cls = rng.choice(list(SHAPES))
+            prompt, n, session = SHAPES[cls]
+            headers = {"x-session-id": f"s{rng.getrandbits(40)}"} if session else {}
+            t0 = time.monotonic()
+            try:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="m1", messages=[{"role": "user", "content": prompt}], max_tokens=n, stream=True,
+                    extra_headers=headers)
+                first = None
+                async for chunk in raw.parse():
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.monotonic() - t0
+                if first is not None:
+                    live.client_ttft[raw.headers["x-shapegate-backend"]].append(first * 1000)
+            except openai.APIError:
+                await asyncio.sleep(0.05)  # an injected engine error; the dashboard counts it
+            live.sent += 1
 
 
 @pytest.fixture
-async def live() -> AsyncIterator[Live]:
-    rng = random.Random(7)
-    engines = [TestServer(echo_engine(0.012, 0.003, rng), host="127.0.0.1"),
-               TestServer(echo_engine(0.035, 0.008, rng), host="127.0.0.1")]
-    for server in engines:
-        await server.start_server()
-    meters = [Meter("echo-fast", "vllm", str(engines[0].make_url("/v1/chat/completions"))),
-              Meter("echo-slow", "sglang", str(engines[1].make_url("/v1/chat/completions"))),
-              Meter("echo-down", "llamacpp", f"http://127.0.0.1:{free_port()}/v1/chat/completions")]
-    started = time.time()
-    state = Live(url="", served=deque(maxlen=300))
+async def live(monkeypatch) -> AsyncIterator[Live]:
+    sims: list[SimServer] = [
+        await start_sim(SimOptions(engine="vllm", seed=1)),
+        await start_sim(SimOptions(engine="sglang", seed=2, faults=FaultSpec(error_rate=0.04))),
+        await start_sim(SimOptions(engine="llamacpp", seed=3)),
+    ]
+    backends = [{"id": bid, "engine": sim.engine, "url": sim.url, "models": {"m1": sim.model}}
+                for bid, sim in zip(BACKENDS, sims)]
+    backends[2]["interactive"] = True
+    backends.append({"id": "llama-down", "engine": "llamacpp", "url": f"http://127.0.0.1:{free_port()}",
+                     "models": ["m1"]})
+    gw = await start_gateway(gateway_config(backends, routing={"policy": "shape"}, stats={"window_s": 10.0}))
+    state = Live(gw)
 
-    async def provider() -> dict[str, Any]:
+    def recording(g):
         if state.failing:
-            raise RuntimeError("stats store unreachable")
-        payload = feed(meters, started)
+            raise RuntimeError("stats unavailable")
+        payload = feed(g)
         state.served.append(payload)
         return payload
 
-    app = web.Application()
-    setup_dashboard(app, admin_for_key=admin_for_key, session_secret=SECRET, stats_provider=provider,
-                    secure_cookie=False)
-    dash = TestServer(app, host="127.0.0.1")
-    await dash.start_server()
-    state.url = str(dash.make_url("/dashboard"))
+    feed = gateway.app.stats_report
+    monkeypatch.setattr(gateway.app, "stats_report", recording)  # what the dashboard's feed calls
     stop = asyncio.Event()
-    drivers = [asyncio.create_task(drive(meters, rng, stop, time.monotonic() + 60)) for _ in range(3)]
+    rng = random.Random(7)
+    drivers = [asyncio.create_task(drive(state, rng, stop)) for _ in range(4)]
     try:
         yield state
     finally:
         stop.set()
         await asyncio.gather(*drivers)
-        await dash.close()
-        for server in engines:
-            await server.close()
+        await gw.stop()
+        for sim in sims:
+            await sim.close()
 
 
 def served_values(live: Live, path: tuple[str, ...], backend: str) -> set[float]:
@@ -254,36 +131,41 @@ def served_values(live: Live, path: tuple[str, ...], backend: str) -> set[float]
     return out
 
 
-async def test_browser_shows_live_measured_numbers(chromium: None, live: Live) -> None:
-    reading = await screenshot_and_read(live.url, FormLogin(ADMIN_KEY), SCREENSHOT, settle_s=5.0)
+async def test_browser_shows_live_gateway_numbers(chromium: None, live: Live) -> None:
+    reading = await screenshot_and_read(live.url, FormLogin(ADMIN_KEY), SCREENSHOT, settle_s=4.0,
+                                        width=1440, height=1000)
     first, second = reading.first, reading.second
     assert reading.page_errors == []
     assert second["stale"]["hidden"] is True
-    for backend in ("echo-fast", "echo-slow"):
-        for metric, path in (("ttft_p50", ("overall", "ttft_ms", "p50")), ("itl_p50", ("overall", "itl_ms", "p50"))):
+    assert live.sent > 40
+    for backend in BACKENDS:
+        assert second[f"health:{backend}"]["text"] == "ready"
+        for metric, path in (("ttft_p50", ("overall", "ttft_ms", "p50")), ("itl_p50", ("overall", "itl_ms", "p50")),
+                             ("output_tps", ("overall", "output_tps"))):
             shown = float(second[f"{metric}:{backend}"]["value"])
-            # What the page shows is exactly one of the payloads the feed served, not a made-up number.
-            assert shown in served_values(live, path, backend)
+            # Exactly one of the payloads the gateway's feed served, not a made-up number.
+            assert shown in served_values(live, path, backend), (metric, backend)
             assert shown > 0
-    # The faster engine is measured faster: the page carries real timings.
-    assert float(second["ttft_p50:echo-fast"]["value"]) < float(second["ttft_p50:echo-slow"]["value"])
-    assert second["health:echo-down"]["text"] == "unhealthy"
-    assert second["breaker:echo-down"]["text"] == "open"
-    assert second["health:echo-fast"]["text"] == "ready"
-    # Live: the data timestamp and the measured numbers moved between the two reads.
+        # The gateway times a sub-interval of what the client timed on the same streams.
+        assert float(second[f"ttft_p50:{backend}"]["value"]) <= max(live.client_ttft[backend])
+    assert second["health:llama-down"]["text"] in ("starting", "unhealthy")  # never answered a probe
+    assert float(second["table:error_rate:sglang-1"]["value"]) > 0
+    # Live: the data timestamp and measured numbers moved between the two reads.
     assert float(second["last-update"]["value"]) > float(first["last-update"]["value"])
     moving = [k for k in second if k.startswith(("ttft_p50:", "output_tps:", "rps:", "totals:"))
               and first.get(k, {}).get("value") != second[k]["value"]]
     assert moving, "no number changed between reads"
-    assert float(second["route:long_output:echo-fast"]["value"]) > 0.5
+    for cls in SHAPES:  # every class of the traffic mix shows up in the routing table
+        assert int(float(second[f"route:{cls}:requests"]["value"])) > 0
+        shares = [float(second[f"route:{cls}:{b}"]["value"] or 0) for b in (*BACKENDS, "llama-down")]
+        assert sum(shares) == pytest.approx(1.0)
     png = SCREENSHOT.read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
 
 
 async def test_browser_flags_a_failing_feed_as_stale(chromium: None, live: Live) -> None:
-    token = issue_token("admin-1", SECRET, now=time.time(), ttl_s=600)
     async with open_page(width=1280, height=800) as page:
-        await page.authenticate(live.url, Cookie(COOKIE_NAME, token))
+        await page.authenticate(live.url, FormLogin(ADMIN_KEY))
         await page.wait_for("document.documentElement.dataset.feed === 'live'")
         live.failing = True
         await page.wait_for("document.documentElement.dataset.feed === 'stale'", timeout=5.0)

@@ -6,6 +6,9 @@
   const POLL_MS = 1000;
   const FETCH_TIMEOUT_MS = 2500;
   const HISTORY_S = 300;
+  // The time axis grows with the history held (in 30 s steps) up to HISTORY_S, so a page opened a
+  // moment ago shows its few seconds across the chart rather than squeezed against its right edge.
+  const SPAN_STEP_S = 30;
   // A missing poll longer than this is drawn as a gap, so an outage is visible in every chart.
   const GAP_S = 3.5;
   const STALE_AFTER_S = 3;
@@ -77,9 +80,10 @@
     return el('span', { class: `badge ${kind}-${v}`, testid }, v.replace('_', ' '));
   }
 
-  function fitText(m) {
+  function fitText(m, predicted) {
     if (!m || m.samples == null) return '—';
     const parts = [];
+    if (predicted?.ttft_ms != null) parts.push(`predicts TTFT ${fmt(predicted.ttft_ms)}ms, ITL ${fmt(predicted.itl_ms)}ms now`);
     if (m.ttft_t0_ms != null) parts.push(`t0 ${fmt(m.ttft_t0_ms)}ms`);
     if (m.prefill_tps != null) parts.push(`${fmt(m.prefill_tps)} pf tok/s`);
     if (m.itl_a_ms != null) parts.push(`ITL ${fmt(m.itl_a_ms)}+${fmt(m.itl_b_ms)}·n`);
@@ -94,7 +98,7 @@
       const loadCls = load.fresh === false ? 'n old' : 'n';
       const errCls = (o.error_rate ?? 0) >= 0.05 ? 'n bad' : 'n';
       return el('tr', { testid: `backend:${b.id}` },
-        el('td', { class: 'id', title: `latency fit: ${fitText(b.model)}` },
+        el('td', { class: 'id', title: `latency fit: ${fitText(b.model, o.predicted)}` },
           el('i', { class: 'swatch', color: colorOf(b.id) }), b.id, ' ',
           el('small', { class: 'engine', testid: `engine:${b.id}` }, b.engine ?? '')),
         el('td', {}, badge('health', b.health, `health:${b.id}`)),
@@ -223,7 +227,9 @@
     let max = 0;
     for (const s of state.history) for (const id in s.values) max = Math.max(max, s.values[id][spec.id] ?? 0);
     const top = Math.min(spec.cap ?? Infinity, niceCeil(max * 1.1));
-    const x = (t) => L + ((t - (now - HISTORY_S)) / HISTORY_S) * pw;
+    const held = state.history.length ? now - state.history[0].t : 0;
+    const span = Math.min(HISTORY_S, Math.max(SPAN_STEP_S, Math.ceil(held / SPAN_STEP_S) * SPAN_STEP_S));
+    const x = (t) => L + ((t - (now - span)) / span) * pw;
     const y = (v) => T + ph - (v / top) * ph;
     g.font = '11px system-ui, sans-serif';
     g.fillStyle = '#8b95a7';
@@ -238,7 +244,12 @@
     }
     g.textAlign = 'center';
     g.textBaseline = 'alphabetic';
-    for (let m = 5; m >= 0; m--) g.fillText(m ? `-${m}m` : 'now', Math.min(x(now - m * 60), L + pw - 12), h - 4);
+    const step = [5, 10, 15, 30, 60].find((s) => span / s <= 6) ?? 60;
+    for (let k = Math.floor(span / step); k >= 0; k--) {
+      const ago = k * step;
+      const label = !ago ? 'now' : ago % 60 ? `-${ago}s` : `-${ago / 60}m`;
+      g.fillText(label, Math.min(x(now - ago), L + pw - 12), h - 4);
+    }
     for (const id of state.colors.keys()) {
       g.strokeStyle = g.fillStyle = state.colors.get(id);
       g.lineWidth = 1.8;

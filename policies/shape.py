@@ -1,0 +1,187 @@
+"""shape: predict each candidate's latency for the request's class from the live-fitted model, pick the best."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.contracts import INTERACTIVE, LONG_PROMPT, BackendView, Decision, Outcome, RouteInput
+
+# Score added to a backend that is still being explored and already has its exploration requests:
+# it stays in the ranking (failover) but loses to every measured backend.
+EXPLORE_PENALTY_S = 1e4
+# Score added to a backend predicted to stream a TTFT-scored request slower than max_itl_s.
+SLOW_STREAM_PENALTY_S = 100.0
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Share of the slow-down a request imposes on the streams already running where it lands (its prefill
+    # stalls their next token; each of its decode steps makes theirs slower) counted against that backend,
+    # for the classes scored on e2e. Classes scored on TTFT are not: their own metric is one first token,
+    # and the others' summed delay is on a different scale (it would push them onto slow-decoding engines).
+    herd_weight: float = Field(1.0, ge=0)
+    # Extra weight of a predicted queue wait: the least certain part of a prediction, and time a client
+    # spends with no token at all.
+    wait_weight: float = Field(1.0, ge=0)
+    # Classes scored on TTFT (interactive sessions, long prompts) avoid backends predicted to stream slower
+    # than this per token, unless every backend is: an early first token is worth little if the rest
+    # crawls, and streaming faster than people read gains nothing.
+    max_itl_s: float = Field(0.05, gt=0)
+    # A backend taught by fewer samples is explored: it gets the next request (not a session) that expects
+    # at most explore_max_output tokens (cheap to get wrong), at most explore_in_flight at once. Until it is
+    # measured it keeps its optimistic prior.
+    explore_samples: int = Field(2, ge=0)
+    explore_in_flight: int = Field(1, ge=1)
+    explore_max_output: int = Field(256, ge=0)
+    # Slots of an interactive llama.cpp backend that other classes leave free for interactive sessions.
+    reserve_interactive_slots: int = Field(1, ge=0)
+    # Above this KV usage a batch engine admits new requests only as others finish.
+    kv_high: float = Field(0.95, gt=0, le=1)
+    # An interactive llama.cpp backend whose slot count is unknown is assumed to have this many.
+    assumed_slots: int = Field(1, ge=1)
+    # Weight of the newest request in the running mean of the sizes routed to each backend (queue waits).
+    size_alpha: float = Field(0.1, gt=0, le=1)
+
+
+def idle_slot(b: BackendView, assumed_slots: int) -> bool:
+    """A free llama.cpp slot: the gateway's own in-flight count against the slot total, else the scraped idle count."""
+    load = b.load
+    if load is not None and load.total_slots:
+        return b.in_flight < load.total_slots
+    if load is not None and load.idle_slots is not None:
+        return load.idle_slots > 0
+    return b.in_flight < assumed_slots
+
+
+class Shape:
+    name = "shape"
+    needs_prefix = True
+
+    def __init__(self, params: Params) -> None:
+        self.p = params
+        # Running mean (prompt, output) tokens of the requests this policy sent to each backend. Known at
+        # dispatch, so unlike the mean of finished requests it is not biased towards the short ones.
+        self._sizes: dict[str, tuple[float, float]] = {}
+
+    def predict(self, b: BackendView, inp: RouteInput, reserve: int) -> tuple[float, float, float, float]:
+        """(queue wait, TTFT, ITL, cost to the streams already running) of the request on backend b, in seconds."""
+        shape = inp.shape
+        est = b.latency
+        load = b.load
+        n_out = shape.output_tokens if shape.output_tokens > 0 else 1
+        cached = 0
+        if b.id == inp.affinity and (shape.session_id is not None or load is None or not load.total_slots):
+            # A slot engine keeps one prompt per slot: only a session that returns to its own slot finds it.
+            cached = inp.affinity_tokens
+        uncached = shape.prompt_tokens - cached
+        if uncached < 1:
+            uncached = 1  # an engine always computes at least the last prompt token
+        in_flight = b.in_flight
+        running = float(in_flight)
+        wait = 0.0
+        if load is not None and load.total_slots:  # slot engine: beyond the slots, requests wait for one
+            cap = load.total_slots - reserve
+            if cap < 1:
+                cap = 1
+            if in_flight >= cap:
+                wait = (in_flight - cap + 1) * self.service(b, cap) / cap
+                running = float(cap)
+        elif load is not None:
+            engine_running = load.running or 0.0
+            if load.waiting:  # the engine queues: departures come at running / service per second
+                ahead = max(load.waiting, in_flight - engine_running)
+                wait = (ahead + 1) * self.service(b, engine_running) / max(engine_running, 1.0)
+                running = max(min(running, engine_running), 1.0)
+            elif load.kv_usage is not None and load.kv_usage >= self.p.kv_high:
+                wait = self.service(b, engine_running) / max(engine_running, 1.0)
+        prefill = uncached / est.prefill_rate
+        ttft = wait + est.ttft_t0 + prefill + est.ttft_per_running * running
+        itl = est.itl_a + est.itl_b * running
+        herd = running * (prefill + est.itl_b * n_out)
+        return wait, ttft, itl, herd
+
+    def service(self, b: BackendView, running: float) -> float:
+        """Mean time a request holds a slot of b: the model applied to the sizes sent there, else measured."""
+        sizes = self._sizes.get(b.id)
+        est = b.latency
+        if sizes is None:
+            return est.service_s
+        n_in, n_out = sizes
+        return est.ttft_t0 + n_in / est.prefill_rate + n_out * (est.itl_a + est.itl_b * max(running - 1.0, 0.0))
+
+    def rank(self, inp: RouteInput) -> Decision:
+        p = self.p
+        klass = inp.shape.klass
+        use_ttft = klass == LONG_PROMPT or klass == INTERACTIVE
+        steps = (inp.shape.output_tokens if inp.shape.output_tokens > 0 else 1) - 1
+        scored: list[tuple[float, float, int, BackendView]] = []
+        slot_ok: set[int] = set()
+        explore: tuple[int, float, int] | None = None  # (samples, score, index) of the backend to try
+        # Sessions are never the guinea pigs: they wait on every token.
+        cheap = klass != INTERACTIVE and inp.shape.output_tokens <= p.explore_max_output
+        for i, b in enumerate(inp.candidates):
+            reserve = p.reserve_interactive_slots if b.interactive and klass != INTERACTIVE else 0
+            wait, ttft, itl, herd = self.predict(b, inp, reserve)
+            if use_ttft:
+                metric = ttft
+                score = ttft + p.wait_weight * wait
+                if itl > p.max_itl_s:
+                    score += SLOW_STREAM_PENALTY_S
+            else:
+                metric = ttft + steps * itl
+                score = metric + p.wait_weight * wait + p.herd_weight * herd
+            if b.latency.samples < p.explore_samples:
+                if b.in_flight >= p.explore_in_flight:
+                    score += EXPLORE_PENALTY_S
+                elif cheap and (explore is None or (b.latency.samples, score) < explore[:2]):
+                    explore = (b.latency.samples, score, i)
+            if klass == INTERACTIVE and b.interactive and idle_slot(b, p.assumed_slots):
+                slot_ok.add(i)
+            scored.append((score, metric, i, b))
+        scored.sort(key=_score)
+        name = "ttft" if use_ttft else "e2e"
+        if explore is not None:
+            # The prior of an unmeasured engine is only a guess: measure it with a small request.
+            first = next(s for s in scored if s[2] == explore[2])
+            scored.remove(first)
+            scored.insert(0, first)
+            self._routed(first[3].id, inp)
+            return Decision(tuple(s[3] for s in scored), f"shape:{klass} explore {first[3].id}")
+        if slot_ok:
+            # A single interactive session runs best alone on a slot engine: take its idle slot first.
+            first = next(s for s in scored if s[2] in slot_ok)
+            scored.remove(first)
+            scored.insert(0, first)
+            self._routed(first[3].id, inp)
+            return Decision(tuple(s[3] for s in scored),
+                            f"shape:interactive slot {first[3].id} {name}={_fmt(first[1])}")
+        best = scored[0]
+        self._routed(best[3].id, inp)
+        if len(scored) == 1:
+            return Decision((best[3],), f"shape:{klass} {name}={_fmt(best[1])}")
+        return Decision(tuple(s[3] for s in scored),
+                        f"shape:{klass} {name}={_fmt(best[1])} vs {_fmt(scored[1][1])}")
+
+    def _routed(self, backend: str, inp: RouteInput) -> None:
+        shape = inp.shape
+        old = self._sizes.get(backend)
+        if old is None:
+            self._sizes[backend] = (float(shape.prompt_tokens), float(shape.output_tokens))
+            if len(self._sizes) > 4096:  # ids come from config; only a long run of reloads gets here
+                self._sizes.clear()
+            return
+        a = self.p.size_alpha
+        self._sizes[backend] = (old[0] + a * (shape.prompt_tokens - old[0]),
+                                old[1] + a * (shape.output_tokens - old[1]))
+
+    def observe(self, outcome: Outcome) -> None:
+        pass  # the latency model learns from every outcome in the record stage; nothing policy-local
+
+
+def _score(s: tuple[float, float, int, BackendView]) -> tuple[float, int]:
+    return s[0], s[2]
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.2f}s" if seconds < 10 else f"{seconds:.0f}s"

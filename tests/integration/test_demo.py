@@ -1,0 +1,43 @@
+"""`shapegate demo`: the simulated portfolio and the gateway answer the snippet it prints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import re
+
+import openai
+
+from gateway.demo import MODEL, SECOND_MODEL, run_demo
+from tests.fake_engine import free_port
+
+
+async def test_demo_serves_the_printed_snippet():
+    port = free_port()
+    ready, stop = asyncio.Event(), asyncio.Event()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        task = asyncio.create_task(run_demo("127.0.0.1", port, ready=ready, stop=stop))
+        await asyncio.wait_for(ready.wait(), 10)
+    try:
+        text = out.getvalue()
+        key = re.search(r"API key : (\S+)", text).group(1)
+        assert f"http://127.0.0.1:{port}" in text and "curl" in text and "from openai import OpenAI" in text
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=3) as c:
+            models = sorted(m.id for m in (await c.models.list()).data)
+            assert models == sorted([MODEL, SECOND_MODEL])
+            for _ in range(50):  # the engines become ready within a few probe intervals
+                try:
+                    r = await c.chat.completions.create(model=MODEL, max_tokens=4,
+                                                        messages=[{"role": "user", "content": "Hello!"}])
+                    break
+                except openai.InternalServerError:
+                    await asyncio.sleep(0.2)
+            assert r.model == MODEL and r.choices[0].message.content
+            r2 = await c.chat.completions.with_raw_response.create(
+                model=SECOND_MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+            assert r2.headers["x-shapegate-backend"] == "vllm-0"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
