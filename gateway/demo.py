@@ -35,7 +35,7 @@ def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int) -> 
     return {
         "server": {"host": host, "port": port, "access_log": False},
         "auth": {"keys": [{"id": "demo", "sha256": key_digest, "admin": True}]},
-        "routing": {"policy": "least_loaded"},
+        "routing": {"policy": "shape"},
         "dashboard": {"secure_cookie": False},
         "backends": backends,
     }

@@ -1,0 +1,299 @@
+"""Routing benchmark: round_robin, least_loaded, prefix_affinity and shape on the simulated R9700 portfolio.
+
+One stack per (policy, load): a process with four simulated engines (vLLM, SGLang, llama.cpp Vulkan
+marked interactive, llama.cpp HIP; calibrated R9700 profiles, real time) and a gateway process in
+front of them. All stacks of one repeat run at the same time, so every policy sees the same machine
+noise, and each gets the same arrivals (same seed): generation, summarization, agents sharing long
+system prompts and multi-turn interactive sessions, as Poisson arrivals over a fixed window. The
+load generator (this process) measures TTFT, ITL and e2e per request like GenAI-Perf.
+
+Usage: python -m benchmarks.routing [--quick] [--repeats 3] [--window 40] [--drain 45]
+Writes benchmarks/results/routing.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import random
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+import uvloop
+
+from benchmarks import routing_report
+from benchmarks import routing_workload as W
+
+RESULTS = Path(__file__).parent / "results"
+POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "shape")
+# id, engine, sim profile, marked for interactive sessions
+PORTFOLIO = (("vllm", "vllm", "r9700-vllm", False), ("sglang", "sglang", "r9700-sglang", False),
+             ("llama-vk", "llamacpp", "r9700-llamacpp-vulkan", True),
+             ("llama-hip", "llamacpp", "r9700-llamacpp-hip", False))
+LOADS = {"low": W.Load("low", generation=0.08, summarization=0.15, agent=0.15, sessions=0.08),
+         "high": W.Load("high", generation=0.4, summarization=0.6, agent=0.6, sessions=0.3)}
+WARMUP = W.Kind("warmup", 200, 16, 99.0, 99.0)
+WARMUP_REQUESTS = 16
+WARMUP_SPACING_S = 0.4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the processes of one stack ------------------------------------------------------------------------
+def serve_sims(ports: list[int]) -> None:
+    uvloop.run(_sims(ports))
+
+
+async def _sims(ports: list[int]) -> None:
+    from gateway.sim.runner import SimOptions, start_sim
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    servers = [await start_sim(SimOptions(engine=engine, profile=profile, model=W.MODEL, port=port,
+                                          report_cached_tokens=True))
+               for (_, engine, profile, _), port in zip(PORTFOLIO, ports)]
+    await stop.wait()
+    for s in servers:
+        await s.close()
+
+
+def serve_gateway(cfg: dict, port: int) -> None:
+    from gateway.cli import serve_until_signal
+    from gateway.config import parse_config
+
+    uvloop.run(serve_until_signal(parse_config(cfg), "127.0.0.1", port))
+
+
+def gateway_config(policy: str, sim_ports: list[int]) -> dict:
+    backends = [{"id": bid, "engine": engine, "url": f"http://127.0.0.1:{port}", "models": [W.MODEL],
+                 "interactive": interactive}
+                for (bid, engine, _, interactive), port in zip(PORTFOLIO, sim_ports)]
+    return {"auth": {"enabled": False}, "server": {"access_log": False, "shutdown_grace_s": 1.0},
+            "health": {"interval_s": 0.5, "load_interval_s": 0.5},
+            "upstream": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
+            "routing": {"policy": policy}, "backends": backends}
+
+
+@dataclass
+class Stack:
+    policy: str
+    load: str
+    procs: list
+    url: str
+    sim_urls: list[str]
+
+    @classmethod
+    def start(cls, ctx, policy: str, load: str) -> "Stack":
+        sim_ports = [free_port() for _ in PORTFOLIO]
+        gw_port = free_port()
+        sims = ctx.Process(target=serve_sims, args=(sim_ports,), daemon=True)
+        gw = ctx.Process(target=serve_gateway, args=(gateway_config(policy, sim_ports), gw_port), daemon=True)
+        sims.start()
+        gw.start()
+        return cls(policy, load, [gw, sims], f"http://127.0.0.1:{gw_port}",
+                   [f"http://127.0.0.1:{p}" for p in sim_ports])
+
+    async def wait_ready(self, http: aiohttp.ClientSession, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(self.url + "/readyz") as r:
+                    data = await r.json()
+                    if r.status == 200 and all(s == "ready" for s in data["backends"].values()):
+                        return
+            except (aiohttp.ClientError, ValueError, KeyError):
+                pass  # not up yet
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"stack {self.policy}/{self.load} did not become ready")
+
+    async def sim_health(self, http: aiohttp.ClientSession) -> dict:
+        out = {}
+        for (bid, *_), url in zip(PORTFOLIO, self.sim_urls):
+            try:
+                async with http.get(url + "/sim/state") as r:
+                    s = await r.json()
+                out[bid] = {"late_share": s["late_steps"] / max(s["steps"], 1), "rebases": s["rebases"]}
+            except (aiohttp.ClientError, ValueError, KeyError):
+                out[bid] = None
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# -- the load generator -------------------------------------------------------------------------------
+async def stream_request(http: aiohttp.ClientSession, url: str, body: dict, headers: dict, rec: dict) -> str:
+    """Send one streamed chat request; fill `rec` with GenAI-Perf TTFT, ITL and e2e; return the text."""
+    text: list[str] = []
+    t0 = time.perf_counter()
+    first = last = None
+    events = 0
+    usage_tokens = 0
+    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json", **headers}) as r:
+        rec["backend"] = r.headers.get("x-shapegate-backend", "")
+        rec["reason"] = r.headers.get("x-shapegate-reason", "")
+        rec["status"] = r.status
+        if r.status != 200:
+            await r.read()
+            return ""
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            obj = orjson.loads(line[6:])
+            if obj.get("usage"):
+                usage_tokens = obj["usage"].get("completion_tokens") or 0
+            for ch in obj.get("choices") or ():
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    last = now
+                    events += 1
+                    text.append(piece)
+    end = time.perf_counter()
+    n = usage_tokens or events
+    rec.update(ok=first is not None, e2e=end - t0, ttft=(first - t0) if first is not None else None,
+               itl=((last - first) / (n - 1)) if first is not None and n > 1 else None, tokens=n)
+    return "".join(text)
+
+
+async def drive(http: aiohttp.ClientSession, stack: Stack, load: W.Load, window_s: float, drain_s: float,
+                seed: int) -> dict:
+    """Warm-up requests, then the arrivals of one run; requests still running at the drain cap are cut."""
+    records: list[dict] = []
+    tasks: set[asyncio.Task] = set()
+    warm = random.Random(seed)
+
+    async def one(kind: W.Kind, body: dict, headers: dict, at: float) -> str:
+        rec = {"kind": kind.name, "at": at, "ok": False, "censored": False, "ttft": None, "itl": None,
+               "e2e": None, "tokens": 0, "backend": "", "reason": ""}
+        records.append(rec)
+        t0 = time.perf_counter()
+        try:
+            return await stream_request(http, stack.url, body, headers, rec)
+        except asyncio.CancelledError:
+            rec.update(censored=True, e2e=time.perf_counter() - t0)
+            raise
+        except (aiohttp.ClientError, ValueError) as e:
+            rec.update(error=repr(e), e2e=time.perf_counter() - t0)
+            return ""
+
+    async def session(a: W.Arrival, at: float) -> None:
+        history: list[dict] = []
+        for turn in range(W.SESSION_TURNS):
+            reply = await one(W.INTERACTIVE, W.turn_body(a, history, turn), {"x-session-id": a.session},
+                              at if turn == 0 else -1.0)
+            history += [{"role": "user", "content": a.turn_texts[turn]}, {"role": "assistant", "content": reply}]
+            await asyncio.sleep(W.THINK_S)
+
+    start = time.perf_counter()
+    warm_tasks = []
+    for i in range(WARMUP_REQUESTS):
+        body = W.body(WARMUP, [{"role": "user", "content": W.words(warm, WARMUP.prompt_tokens - 10)}])
+        warm_tasks.append(asyncio.create_task(one(WARMUP, body, {}, -1.0)))
+        await asyncio.sleep(WARMUP_SPACING_S)
+    t0 = time.perf_counter()
+    for a in W.schedule(load, window_s, seed):
+        delay = t0 + a.at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        coro = session(a, a.at) if a.body is None else one(a.kind, a.body, {}, a.at)
+        t = asyncio.create_task(coro)
+        tasks.add(t)
+    rest = t0 + window_s - time.perf_counter()
+    if rest > 0:
+        await asyncio.sleep(rest)
+    done, pending = await asyncio.wait(tasks | set(warm_tasks), timeout=drain_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    end = time.perf_counter()
+    return {"records": [r for r in records if r["kind"] != WARMUP.name], "wall_s": end - t0,
+            "warmup_s": t0 - start}
+
+
+async def one_repeat(ctx, repeat: int, loads: list[str], window_s: float, drain_s: float) -> list[dict]:
+    stacks = [Stack.start(ctx, policy, load) for load in loads for policy in POLICIES]
+    try:
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=drain_s + window_s)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+            await asyncio.gather(*(s.wait_ready(http) for s in stacks))
+            runs = await asyncio.gather(*(drive(http, s, LOADS[s.load], window_s, drain_s, seed=100 + repeat)
+                                          for s in stacks))
+            health = await asyncio.gather(*(s.sim_health(http) for s in stacks))
+    finally:
+        for s in stacks:
+            s.stop()
+    return [{"policy": s.policy, "load": s.load, "repeat": repeat, "sim_health": h, **run}
+            for s, run, h in zip(stacks, runs, health)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--window", type=float, default=40.0, help="seconds of arrivals per run")
+    ap.add_argument("--drain", type=float, default=45.0, help="seconds after the window before cutting requests")
+    ap.add_argument("--loads", nargs="+", default=["low", "high"], choices=sorted(LOADS))
+    ap.add_argument("--quick", action="store_true", help="one repeat, 20 s window, 30 s drain")
+    ap.add_argument("--output", default=str(RESULTS / "routing"), help="path prefix of the .md and .json")
+    ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        loads = list(data["meta"]["loads"])
+        md = routing_report.markdown(data["meta"], routing_report.summarize(data["runs"], loads, POLICIES), loads,
+                                     POLICIES)
+        Path(args.from_json).with_suffix(".md").write_text(md)
+        print(md)
+        return 0
+    if args.quick:
+        args.repeats, args.window, args.drain = 1, 20.0, 30.0
+    ctx = multiprocessing.get_context("spawn")
+    t_start = time.time()
+    runs = []
+    for r in range(args.repeats):
+        runs += uvloop.run(one_repeat(ctx, r, args.loads, args.window, args.drain))
+        print(f"repeat {r + 1}/{args.repeats} done after {time.time() - t_start:.0f} s", file=sys.stderr)
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "repeats": args.repeats, "window_s": args.window, "drain_s": args.drain,
+            "loads": {k: vars(LOADS[k]) for k in args.loads}, "portfolio": PORTFOLIO,
+            "kinds": {k.name: vars(k) for k in W.KINDS}, "elapsed_s": round(time.time() - t_start, 1),
+            "warmup": {"requests": WARMUP_REQUESTS, "prompt_tokens": WARMUP.prompt_tokens,
+                       "output_tokens": WARMUP.output_tokens}}
+    summary = routing_report.summarize(runs, args.loads, POLICIES)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1,
+                                                   default=str))
+    md = routing_report.markdown(meta, summary, args.loads, POLICIES)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
