@@ -29,7 +29,11 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
                            shutdown_timeout=grace + CUT_MARGIN_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise SystemExit(f"shapegate: cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
