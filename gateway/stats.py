@@ -236,7 +236,8 @@ class BackendStats:
     KEEP_S = 600.0  # seconds of counts kept at least (longer once a report asks for a longer window)
 
     def __init__(self, max_samples: int, now: float | None = None) -> None:
-        self.samples: deque[Sample] = deque(maxlen=max_samples)
+        # Plain tuples in Sample's field order: a request pays for a tuple, a report builds the Samples.
+        self.samples: deque[tuple] = deque(maxlen=max_samples)
         # (second, {class: [requests, errors, output tokens]}), oldest first; a second without traffic has none.
         self.counts: deque[tuple[int, dict[str, list[int]]]] = deque()
         self.since = time.monotonic() if now is None else now
@@ -244,7 +245,7 @@ class BackendStats:
 
     def add(self, o: Outcome, now: float) -> None:
         klass = o.shape.klass
-        self.samples.append(Sample(now, klass, o.ok, o.ttft, o.itl, o.e2e, o.completion_tokens, o.prompt_tokens))
+        self.samples.append((now, klass, o.ok, o.ttft, o.itl, o.e2e, o.completion_tokens, o.prompt_tokens))
         sec, counts = int(now), self.counts
         if not counts or counts[-1][0] != sec:
             counts.append((sec, {}))
@@ -259,7 +260,7 @@ class BackendStats:
 
     def window(self, now: float, window_s: float) -> list[Sample]:
         cutoff = now - window_s
-        return [s for s in self.samples if s.at >= cutoff]
+        return [Sample(*s) for s in self.samples if s[0] >= cutoff]
 
     def _counted(self, now: float, window_s: float) -> dict[str, list[int]]:
         self._keep_s = max(self._keep_s, window_s)

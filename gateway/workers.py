@@ -43,7 +43,7 @@ def run_workers(n: int, worker: Callable[[], int]) -> int:
             if pid == 0:
                 _child(previous, worker)
             children.add(pid)
-        log.info("shapegate: %d workers (pids %s), metrics aggregated in %s", n,
+        log.info("%d workers (pids %s), metrics aggregated in %s", n,
                  ", ".join(map(str, sorted(children))), metrics_dir)
         return _reap(children, metrics_dir, lambda: stopping)
     finally:
@@ -58,6 +58,11 @@ def _child(previous: dict, worker: Callable[[], int]) -> None:
     code = 1
     try:
         code = worker()
+    except SystemExit as e:  # a clean refusal (e.g. the port is taken): its message, not a traceback
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            print(e.code, file=sys.stderr)
     except BaseException:  # the worker's last word goes to stderr before the process ends
         traceback.print_exc()
     finally:
@@ -78,7 +83,7 @@ def _reap(children: set[int], metrics_dir: str, stopping: Callable[[], bool]) ->
         multiprocess.mark_process_dead(pid, metrics_dir)  # its live gauges (in-flight, pool state) stop counting
         rc = os.waitstatus_to_exitcode(status)
         if not stopping() and not code:
-            log.error("shapegate: worker %d exited unexpectedly (%d); stopping the others", pid, rc)
+            log.error("worker %d exited unexpectedly (%d); stopping the others", pid, rc)
             code = 1
             for other in children:
                 try:
