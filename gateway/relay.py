@@ -101,25 +101,42 @@ class SSERelay:
         now = perf_counter()
         if m.saw_done:
             return b""
-        # Fast path: a block of ordinary token events is forwarded as it came.
-        if (b"[DONE]" not in block and b'"usage"' not in block and b'"error"' not in block):
-            n = block.count(b"\n\n")
-            if is_token_event(block):
-                if m.t_first is None:
-                    m.t_first = now
-                m.t_last = now
-                m.token_events += n
-            if not m.saw_finish and (b'"finish_reason":"' in block or b'"finish_reason": "' in block):
-                m.saw_finish = True
+        # Ordinary token events are forwarded as they came; only the events from the first one that may
+        # carry usage, an error or [DONE] onwards are parsed.
+        special = min((i for i in (block.find(b"[DONE]"), block.find(b'"usage"'), block.find(b'"error"'))
+                       if i >= 0), default=-1)
+        if special < 0:
+            self._ordinary(block, now)
             return rewrite(block, self.pairs) if self.pairs else block
-        out = []
-        for ev in block.split(b"\n\n"):
+        cut = block.rfind(b"\n\n", 0, special)
+        start = cut + 2 if cut >= 0 else 0
+        head, tail = block[:start], block[start:]
+        out = [head] if head else []
+        if head:
+            self._ordinary(head, now)
+        for ev in tail.split(b"\n\n"):
             if not ev.strip():
                 continue
             kept = self._one(ev, now)
             if kept is not None:
                 out.append(kept + b"\n\n")
-        return rewrite(b"".join(out), self.pairs) if self.pairs else b"".join(out)
+        data = b"".join(out)
+        return rewrite(data, self.pairs) if self.pairs else data
+
+    def _ordinary(self, block: bytes, now: float) -> None:
+        """Timing and finish detection for events that need no parsing."""
+        m = self.meter
+        if block.count(b"\n\n") <= 1:
+            tokens = 1 if is_token_event(block) else 0
+        else:  # several events arrived together: look at each (a role-only chunk may come first)
+            tokens = sum(1 for ev in block.split(b"\n\n") if ev and is_token_event(ev))
+        if tokens:
+            if m.t_first is None:
+                m.t_first = now
+            m.t_last = now
+            m.token_events += tokens
+        if not m.saw_finish and (b'"finish_reason":"' in block or b'"finish_reason": "' in block):
+            m.saw_finish = True
 
     def _one(self, ev: bytes, now: float) -> bytes | None:
         m = self.meter
