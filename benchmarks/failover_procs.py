@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.procs import restartable_port as free_port  # noqa: E402  (same port rule as the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 # id -> (engine flavour, simulator profile, extra flags)
@@ -22,20 +23,6 @@ ENGINES = {
     "llama-0": ("llamacpp", "r9700-llamacpp-vulkan", ()),
 }
 READY_PATH = {"vllm": "/health", "sglang": "/health", "llamacpp": "/health"}
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a killed engine is restarted on the same port, and
-    a port the kernel hands out for port 0 could be taken by another program in between."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use: try another
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 async def wait_http(url: str, timeout: float) -> None:

@@ -73,15 +73,14 @@ def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict
     return json.loads(line[4:])
 
 
-def start_stack(tmp: Path, stats: bool) -> tuple[list[subprocess.Popen], dict]:
-    engine_port, gw_port = free_port(), free_port()
-    engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
-                               str(engine_port)])
+def write_gateway_config(path: Path, engine_url: str, access_log: bool, stats: bool) -> Path:
+    """The gateway config every run uses: one backend, one key; only logging and stats upkeep vary."""
     from gateway.auth import hash_key
-    cfg = tmp / "bench.toml"
-    cfg.write_text(f"""
+    path.write_text(f"""
 [server]
-access_log = {str(stats).lower()}
+access_log = {str(access_log).lower()}
+[stats]
+enabled = {str(stats).lower()}
 [[auth.keys]]
 id = "bench"
 sha256 = "{hash_key(KEY)}"
@@ -90,9 +89,17 @@ warmup = false
 [[backends]]
 id = "engine"
 engine = "openai"
-url = "http://127.0.0.1:{engine_port}"
+url = "{engine_url}"
 models = ["bench"]
 """)
+    return path
+
+
+def start_stack(tmp: Path, stats: bool) -> tuple[list[subprocess.Popen], dict]:
+    engine_port, gw_port = free_port(), free_port()
+    engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
+                               str(engine_port)])
+    cfg = write_gateway_config(tmp / "bench.toml", f"http://127.0.0.1:{engine_port}", access_log=stats, stats=True)
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
                            str(gw_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     floor_port = free_port()
@@ -169,25 +176,9 @@ def summarize(results: dict, chunks: int) -> str:
 
 def stats_gateway(tmp: Path, engine_url: str, stats: bool) -> tuple[subprocess.Popen, str]:
     """A gateway with [stats] on or off and no access log, so the two differ in stats upkeep only."""
-    from gateway.auth import hash_key
     port = free_port()
-    cfg = tmp / f"stats-{'on' if stats else 'off'}.toml"
-    cfg.write_text(f"""
-[server]
-access_log = false
-[stats]
-enabled = {str(stats).lower()}
-[[auth.keys]]
-id = "bench"
-sha256 = "{hash_key(KEY)}"
-[health]
-warmup = false
-[[backends]]
-id = "engine"
-engine = "openai"
-url = "{engine_url}"
-models = ["bench"]
-""")
+    cfg = write_gateway_config(tmp / f"stats-{'on' if stats else 'off'}.toml", engine_url, access_log=False,
+                               stats=stats)
     gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     wait_http(f"http://127.0.0.1:{port}/readyz")
