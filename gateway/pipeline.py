@@ -239,6 +239,8 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, st
     opts = body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     resp = web.StreamResponse(status=200, headers=g.reply_headers(request, reply.headers))
+    # The head goes out with the first events in one write (the first bytes are already here).
+    resp._send_headers_immediately = False
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, pairs=pairs)

@@ -73,27 +73,30 @@ class SSERelay:
             return
         self._buf = data[cut + 2:]
         out = self._events(data[:cut + 2])
-        if out:
+        if self.meter.saw_done:
+            # The client's stream is complete: the last bytes and the end of the body go in one write.
+            await self.resp.write_eof(out)
+        elif out:
             await self.resp.write(out)
 
     async def finish(self) -> None:
         """End of the upstream body: flush a trailing event, make sure the client gets a clean ending."""
-        if self._buf.strip():
-            out = self._events(self._buf + b"\n\n")
-            self._buf = b""
-            if out:
-                await self.resp.write(out)
         m = self.meter
+        if m.saw_done and not self._buf.strip():
+            return
+        tail = self._events(self._buf + b"\n\n") if self._buf.strip() else b""
+        self._buf = b""
         if not m.saw_done:
             if m.error is None and not m.saw_finish:
                 m.error = GatewayError(502, "The upstream engine ended the stream early.", code="upstream_truncated")
-                await self.resp.write(m.error.sse_event())
-            await self.resp.write(DONE)
+                tail += m.error.sse_event()
+            tail += DONE
+        await self.resp.write_eof(tail)
 
     async def fail(self, err: GatewayError) -> None:
         """The upstream broke mid-stream: an OpenAI-shaped error event and [DONE], never a silent cut."""
         self.meter.error = err
-        await self.resp.write(err.sse_event() + DONE)
+        await self.resp.write_eof(err.sse_event() + DONE)
 
     def _events(self, block: bytes) -> bytes:
         m = self.meter

@@ -11,9 +11,16 @@ from gateway.relay import SSERelay, StreamMeter, is_token_event, model_rewriter
 class Sink:
     def __init__(self) -> None:
         self.out = b""
+        self.eof = False
 
     async def write(self, data: bytes) -> None:
+        assert not self.eof, "nothing is written after the end of the body"
         self.out += data
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self.eof:
+            self.out += data
+            self.eof = True
 
 
 def ev(obj) -> bytes:
