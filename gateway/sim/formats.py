@@ -13,6 +13,7 @@ import orjson
 from gateway.sim.tokens import EOS_ID, Output
 
 DONE = b"data: [DONE]\n\n"
+VLLM_FINGERPRINT = "vllm-0.32.0-sim"
 _SENTINEL = "\x00sim-piece\x00"
 
 
@@ -56,6 +57,9 @@ class EngineFormat:
     done_after_error = True  # a mid-stream error is followed by [DONE]
     stream_opens_early = True  # headers go out before the first token (llama.cpp waits for it)
     first_content: str | None = ""  # content of the role-only first chat chunk
+    sse_content_type = "text/event-stream; charset=utf-8"
+    # llama-server drops the connection after a streamed reply, although its headers say Keep-Alive
+    closes_after_stream = False
 
     def new_id(self, kind: str) -> str:
         return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -111,13 +115,20 @@ class EngineFormat:
             finish = reply.output.finish_reason if last and i == stop - 1 else None
             if pieces[i] or finish:
                 events.append(self.chunk(reply, [self.choice(reply, pieces[i], finish=finish)], i + 1))
+        if last and events and not reply.include_usage:
+            events[-1].update(self.fingerprint_field())
         return events
 
     def tail_events(self, reply: Reply, generated: int) -> list[dict[str, Any]]:
         """After the last token: the usage chunk when asked for."""
         if not reply.include_usage:
             return []
-        return [{**self.envelope(reply, []), "usage": reply.usage(generated)}]
+        return [{**self.envelope(reply, []), "usage": reply.usage(generated),
+                 **self.fingerprint_field()}]
+
+    def fingerprint_field(self) -> dict[str, Any]:
+        # vLLM 0.32 names its version on the last chunk of a stream and in full responses.
+        return {"system_fingerprint": VLLM_FINGERPRINT} if self.engine == "vllm" else {}
 
     def content_template(self, reply: Reply) -> tuple[bytes, bytes] | None:
         """Bytes around a token's JSON string in a plain content chunk, for the fast path."""
@@ -145,7 +156,7 @@ class EngineFormat:
         usage = reply.usage(generated)
         usage.setdefault("prompt_tokens_details", None)
         return {"id": reply.rid, "object": obj, "created": reply.created, "model": reply.model,
-                "choices": [choice], "service_tier": None, "system_fingerprint": None,
+                "choices": [choice], "service_tier": None, "system_fingerprint": VLLM_FINGERPRINT,
                 "usage": usage, "prompt_logprobs": None, "kv_transfer_params": None}
 
 
@@ -229,6 +240,8 @@ class LlamaFormat(EngineFormat):
     stream_opens_early = False
     first_content = None
     fingerprint = "b11434-sim"
+    sse_content_type = "text/event-stream"
+    closes_after_stream = True
 
     def new_id(self, kind: str) -> str:
         return "chatcmpl-" + secrets.token_urlsafe(24).replace("-", "a").replace("_", "b")[:32]
@@ -268,16 +281,23 @@ class LlamaFormat(EngineFormat):
                 events.append(self.chunk(reply, [self.choice(reply, reply.output.pieces[i])], i + 1))
         if last:
             event = self.chunk(reply, [self.choice(reply, None, finish=reply.output.finish_reason)], stop)
-            if not reply.include_usage and reply.timings is not None:
+            if reply.kind == "text":
+                # /v1/completions: usage and timings on the finish chunk, asked for or not
+                event["usage"] = self.usage(reply, stop)
+            if (reply.kind == "text" or not reply.include_usage) and reply.timings is not None:
                 event["timings"] = reply.timings  # timings ride on the last chunk
             events.append(event)
         return events
 
-    def tail_events(self, reply: Reply, generated: int) -> list[dict[str, Any]]:
-        if not reply.include_usage:
-            return []
+    def usage(self, reply: Reply, generated: int) -> dict[str, Any]:
         usage = reply.usage(generated)
         usage["prompt_tokens_details"] = {"cached_tokens": reply.cached_tokens}
+        return usage
+
+    def tail_events(self, reply: Reply, generated: int) -> list[dict[str, Any]]:
+        if not reply.include_usage or reply.kind == "text":
+            return []
+        usage = self.usage(reply, generated)
         event = {**self.envelope(reply, []), "usage": usage}
         if reply.timings is not None:
             event["timings"] = reply.timings

@@ -72,17 +72,19 @@ def make_chat_handler(kind: str):
 
 
 async def _inband_error(request: web.Request, st: SimState, err: ApiError) -> web.StreamResponse:
-    resp = _stream_response()
+    resp = _stream_response(st)
     await resp.prepare(request)
     await resp.write(sse(st.fmt.stream_error(err.status, err.message, err.type_)) + DONE)
     return resp
 
 
-def _stream_response() -> web.StreamResponse:
+def _stream_response(st: SimState) -> web.StreamResponse:
     # No Nagle delay to fight: aiohttp sets TCP_NODELAY on every accepted socket
     # (BaseProtocol.connection_made), so each step's chunk leaves as soon as it is written.
-    return web.StreamResponse(status=200, headers={
-        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+    headers = {"Content-Type": st.fmt.sse_content_type, "Cache-Control": "no-cache"}
+    if st.fmt.closes_after_stream:
+        headers["Keep-Alive"] = "timeout=5, max=100"  # announced, then not honoured
+    return web.StreamResponse(status=200, headers=headers)
 
 
 async def _serve(request: web.Request, st: SimState, gen: GenRequest) -> web.StreamResponse:
@@ -152,7 +154,7 @@ async def _stream(request: web.Request, st: SimState, ticket: Ticket,
     fmt = st.fmt
     req = ticket.req
     total = req.max_new
-    resp = _stream_response()
+    resp = _stream_response(st)
     faults = _StreamFaults(st)
     template = fmt.content_template(reply)
     try:
@@ -179,6 +181,9 @@ async def _stream(request: web.Request, st: SimState, ticket: Ticket,
             if events:
                 await resp.write(b"".join(events))
         await resp.write(DONE)
+        if fmt.closes_after_stream:
+            await resp.write_eof()
+            request.protocol.force_close()  # after the last chunk, with no `Connection: close` sent
     except ConnectionResetError:
         pass  # the client left; the caller frees the request's slot
     return resp

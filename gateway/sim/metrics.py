@@ -146,11 +146,14 @@ def _llamacpp(out: Exposition, sched: Scheduler, tel: Telemetry) -> None:
                 c.cached_tokens)
     out.counter("llamacpp:n_decode_total", "Total number of llama_decode() calls", c.steps)
     out.counter("llamacpp:n_tokens_max", "Largest observed n_tokens.", tel.n_tokens_max)
-    out.counter("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-                c.seq_steps / c.steps if c.steps else 0.0)
+    for what in ("draft_tokens", "accepted_tokens", "drafts"):  # no draft model: always 0
+        out.counter(f"llamacpp:spec_decode_num_{what}_total", f"Speculative decoding: {what}.", 0)
     out.gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
               bucket.prompt_tokens / bucket.prompt_ms * 1000.0 if bucket.prompt_ms else 0.0)
     out.gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
               bucket.predicted_tokens / bucket.predicted_ms * 1000.0 if bucket.predicted_ms else 0.0)
     out.gauge("llamacpp:requests_processing", "Number of requests processing.", busy)
     out.gauge("llamacpp:requests_deferred", "Number of requests deferred.", len(sched.waiting))
+    # a gauge in build 11434, although it averages over every decode call since start
+    out.gauge("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+              c.seq_steps / c.steps if c.steps else 0.0)

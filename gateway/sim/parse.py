@@ -56,10 +56,10 @@ def _int_field(body: dict[str, Any], key: str) -> int | None:
 
 
 def check_model(ctx: ParseContext, body: dict[str, Any]) -> str:
-    """The model name to echo; vLLM and SGLang refuse names they do not serve, llama.cpp takes any."""
+    """The model name to echo; vLLM and SGLang refuse names they do not serve, llama.cpp serves any as its alias."""
     model = body.get("model")
     if ctx.engine == "llamacpp":
-        return model if isinstance(model, str) and model else ctx.names[0]
+        return ctx.names[0]  # any name is served, and the reply names the server's own alias
     if model is None:
         return ctx.names[0]
     if model not in ctx.names:
@@ -90,9 +90,9 @@ def _stream_flags(ctx: ParseContext, body: dict[str, Any]) -> tuple[bool, bool, 
         if options is not None and not stream:
             raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                            param="stream_options")
-        # vLLM's StreamOptions.include_usage defaults to true once the object is sent.
-        include = bool(options.get("include_usage", True)) if options is not None else False
-        continuous = bool(options.get("continuous_usage_stats", False)) if options else False
+        # vLLM 0.32: `stream_options: {}` alone sends no usage, and continuous stats need include_usage too.
+        include = bool(options.get("include_usage", False)) if options else False
+        continuous = include and bool(options.get("continuous_usage_stats", False))
         return stream, include, continuous
     include = bool(options.get("include_usage", False)) if options else False
     return stream, include, False
@@ -126,15 +126,17 @@ def _context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError 
         return None
     n = p.max_model_len
     if ctx.engine == "vllm":
-        if n_in >= n:
-            return ApiError(400, f"This model's maximum context length is {n} tokens. However, "
-                                 f"your request has {n_in} input tokens. Please reduce the length "
-                                 "of the input messages.", param="input_tokens")
-        if limit is not None and n_in + limit > n:
-            return ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {limit}. "
-                                 f"This model's maximum context length is {n} tokens and your "
-                                 f"request has {n_in} input tokens ({limit} > {n} - {n_in}).",
+        # vLLM 0.32 stops counting at the limit + 1, and caps max_tokens at the room left rather
+        # than refusing it; a prompt that fills the context exactly leaves a cap of 0.
+        if n_in > n:
+            return ApiError(400, f"This model's maximum context length is {n} tokens. However, your "
+                                 f"prompt contains at least {n + 1} input tokens, which exceeds this "
+                                 "limit even without any output tokens. Please reduce the length of "
+                                 f"the input prompt. (parameter=input_tokens, value={n + 1})",
                             param="input_tokens")
+        if n_in == n:
+            return ApiError(400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                            param="max_tokens")
         return None
     if n_in >= n:
         return ApiError(400, f"The input ({n_in} tokens) is longer than the model's context "

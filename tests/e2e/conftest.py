@@ -13,10 +13,13 @@ import pytest_asyncio
 from tests.e2e import vllm_env
 from tests.e2e.build_llama import ensure_llama_server, have_llama_server
 from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server
+from tests.e2e.targets import TARGETS, Boot, Target, engine_of, open_target, watch_startup
 from tests.e2e.tiny_models import ensure_gguf_model, ensure_hf_model
 
 E2E_DIR = Path(__file__).parent
 ENGINE_FIXTURES = {"llamacpp": "llama_server", "vllm": "vllm_server"}
+# fixtures that start an engine without being named in ENGINE_FIXTURES
+NEEDS = {"vllm_boot": "vllm"}
 
 # name -> seconds; lives on the config so nothing is module-level mutable
 TIMINGS = pytest.StashKey[dict[str, float]]()
@@ -40,10 +43,16 @@ def _engines_of(item: pytest.Item) -> set[str]:
     """Engines an e2e item needs: by fixture name, or by an `engine` parameter value."""
     if not _in_e2e(item):  # other suites may name a parameter "engine" too
         return set()
-    needed = {engine for engine, fx in ENGINE_FIXTURES.items() if fx in getattr(item, "fixturenames", ())}
+    names = getattr(item, "fixturenames", ())
+    needed = {engine for engine, fx in ENGINE_FIXTURES.items() if fx in names}
+    needed |= {engine for fx, engine in NEEDS.items() if fx in names}
     callspec = getattr(item, "callspec", None)
     if callspec is not None and callspec.params.get("engine") in ENGINE_FIXTURES:
         needed.add(callspec.params["engine"])
+    if callspec is not None and str(callspec.params.get("target_engine", "")).endswith("-real"):
+        needed.add(engine_of(callspec.params["target_engine"]))
+    if callspec is not None and callspec.params.get("portfolio") == "real":
+        needed |= set(ENGINE_FIXTURES)
     return needed
 
 
@@ -119,22 +128,48 @@ async def llama_server(request: pytest.FixtureRequest) -> AsyncIterator[EngineHa
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_server(request: pytest.FixtureRequest) -> AsyncIterator[EngineHandle]:
-    """vLLM 0.32 CPU on the tiny HF model: --enforce-eager, --max-num-seqs 2, max_model_len 4096."""
+async def vllm_boot(request: pytest.FixtureRequest) -> AsyncIterator[Boot]:
+    """vLLM 0.32 CPU on the tiny HF model (--enforce-eager, --max-num-seqs 2, max_model_len 4096),
+    started behind a gateway that records its /readyz answers over the start-up.
+
+    One start serves both the readiness test and every other vLLM test: a second start would
+    cost another 30-50 s on two cores.
+    """
     if not vllm_enabled():
         pytest.skip("vLLM e2e tests disabled (SHAPEGATE_E2E_VLLM=0 or SHAPEGATE_E2E=0)")
     _check_built(request.config, "vllm")
-    handle = await start_vllm_server(max_num_seqs=2)
+    boot = await watch_startup("vllm", lambda port: start_vllm_server(max_num_seqs=2, port=port))
     timings = request.config.stash.setdefault(TIMINGS, {})
-    timings["vLLM start-up"] = handle.startup_s
-    yield handle
-    await _stop(handle, timings, "vLLM stop")
+    timings["vLLM start-up"] = boot.handle.startup_s
+    yield boot
+    await _stop(boot.handle, timings, "vLLM stop")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_boot: Boot) -> EngineHandle:
+    return vllm_boot.handle
 
 
 @pytest.fixture(params=sorted(ENGINE_FIXTURES))
 def engine(request: pytest.FixtureRequest) -> EngineHandle:
     """Either real engine; tests using it run once per engine."""
     return request.getfixturevalue(ENGINE_FIXTURES[request.param])
+
+
+@pytest.fixture(params=TARGETS)
+def target_engine(request: pytest.FixtureRequest) -> tuple[str, EngineHandle | None]:
+    """A target's name, and its real engine (None for a simulator)."""
+    name = request.param
+    if name.endswith("-real"):
+        return name, request.getfixturevalue(ENGINE_FIXTURES[engine_of(name)])
+    return name, None
+
+
+@pytest_asyncio.fixture
+async def target(target_engine: tuple[str, EngineHandle | None]) -> AsyncIterator[Target]:
+    """A gateway (public model name `shapegate-tiny`) in front of one real engine or one fresh simulator."""
+    async with open_target(*target_engine) as t:
+        yield t
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001

@@ -41,6 +41,7 @@ class EngineHandle:
     pid: int
     port: int
     startup_s: float  # launch -> /health 200
+    launched_at: float  # time.monotonic() just before the process was started
     log_path: Path
     argv: list[str]
     probes: list[Probe] = field(default_factory=list)
@@ -124,7 +125,7 @@ async def _launch(engine: str, model: str, argv: Sequence[str], port: int, env: 
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     handle = EngineHandle(engine=engine, url=f"http://127.0.0.1:{port}", model=model, pid=proc.pid, port=port,
-                          startup_s=0.0, log_path=log_path, argv=list(argv), _proc=proc)
+                          startup_s=0.0, launched_at=started, log_path=log_path, argv=list(argv), _proc=proc)
     try:
         await _wait_ready(handle, started, timeout, interval)
     except BaseException:
@@ -136,12 +137,14 @@ async def _launch(engine: str, model: str, argv: Sequence[str], port: int, env: 
 
 async def start_llama_server(*, binary: Path | None = None, model_path: Path | None = None,
                              alias: str = LLAMA_ALIAS, parallel: int = 2, ctx: int = 4096, threads: int = 2,
-                             extra_args: Sequence[str] = (), timeout: float = 60.0) -> EngineHandle:
-    """Launch llama-server on a free loopback port; ready when /health answers 200."""
+                             extra_args: Sequence[str] = (), timeout: float = 60.0,
+                             port: int | None = None) -> EngineHandle:
+    """Launch llama-server on `port` (default: a free loopback port); ready when /health answers 200."""
     binary = binary or await asyncio.to_thread(ensure_llama_server)
     model_path = model_path or await asyncio.to_thread(ensure_gguf_model)
+    fixed = port
     for attempt in range(3):  # the free port can be taken between probe and bind
-        port = free_port()
+        port = fixed or free_port()
         argv = [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(parallel), "--metrics", "--alias", alias, "-c", str(ctx),
                 "-t", str(threads), "--no-ui", *extra_args]
@@ -149,20 +152,22 @@ async def start_llama_server(*, binary: Path | None = None, model_path: Path | N
             # 2 ms polls: the 503 "Loading model" phase of a tiny model lasts only milliseconds
             return await _launch("llamacpp", alias, argv, port, None, timeout, interval=0.002)
         except EngineStartError as exc:
-            if attempt == 2 or "bind" not in str(exc).lower():
+            if attempt == 2 or fixed or "bind" not in str(exc).lower():
                 raise
     raise AssertionError("unreachable")
 
 
 async def start_vllm_server(*, model_dir: Path | None = None, served_name: str = VLLM_NAME,
                             max_num_seqs: int | None = 2, max_model_len: int = 4096,
-                            extra_args: Sequence[str] = (), timeout: float = 300.0) -> EngineHandle:
+                            extra_args: Sequence[str] = (), timeout: float = 300.0,
+                            port: int | None = None) -> EngineHandle:
     """Launch vLLM's OpenAI server from its venv; ready when /health answers 200 (refused until then)."""
     python = await asyncio.to_thread(vllm_env.ensure_vllm_venv)
     model_dir = model_dir or await asyncio.to_thread(ensure_hf_model, python)
     env = {**os.environ, **vllm_env.LAUNCH_ENV}
+    fixed = port
     for attempt in range(3):
-        port = free_port()
+        port = fixed or free_port()
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--enforce-eager", "--max-model-len", str(max_model_len), *extra_args]
@@ -171,6 +176,6 @@ async def start_vllm_server(*, model_dir: Path | None = None, served_name: str =
         try:
             return await _launch("vllm", served_name, argv, port, env, timeout, interval=0.25)
         except EngineStartError as exc:
-            if attempt == 2 or "address already in use" not in str(exc).lower():
+            if attempt == 2 or fixed or "address already in use" not in str(exc).lower():
                 raise
     raise AssertionError("unreachable")

@@ -20,6 +20,8 @@ class EngineQuirks:
     completions_stream_usage_by_default: bool  # /v1/completions stream carries usage without asking
     completion_id_prefix: str
     stream_options_without_stream_status: int
+    continuous_usage_alone_sends_usage: bool  # `stream_options: {"continuous_usage_stats": true}` alone
+    max_tokens_capped_at_context: bool  # max_tokens past the context: 200, output stops at the limit
     # errors
     unknown_model_status: int
     unknown_model_error_type: str | None
@@ -46,6 +48,8 @@ LLAMACPP = EngineQuirks(
     completions_stream_usage_by_default=True,
     completion_id_prefix="chatcmpl-",  # sic: the legacy route reuses the chat id prefix
     stream_options_without_stream_status=200,
+    continuous_usage_alone_sends_usage=False,
+    max_tokens_capped_at_context=True,
     unknown_model_status=200,  # any name is served, and the reply names the alias instead
     unknown_model_error_type=None,
     overlong_error_type="exceed_context_size_error",
@@ -69,6 +73,8 @@ VLLM = EngineQuirks(
     completions_stream_usage_by_default=False,
     completion_id_prefix="cmpl-",
     stream_options_without_stream_status=400,
+    continuous_usage_alone_sends_usage=False,  # include_usage must be true as well
+    max_tokens_capped_at_context=True,  # 0.32 no longer refuses prompt + max_tokens > max_model_len
     unknown_model_status=404,
     unknown_model_error_type="NotFoundError",
     overlong_error_type="BadRequestError",

@@ -129,6 +129,32 @@ async def test_chat_stream_usage(engine: EngineHandle, stream_options: dict[str,
     assert "timings" not in s.events[-2]
 
 
+async def test_continuous_usage_alone(engine: EngineHandle) -> None:
+    body = wire.chat_body(engine.model, stream=True, stream_options={"continuous_usage_stats": True})
+    async with wire.new_session() as http:
+        reply = await wire.post(http, engine.url + "/v1/chat/completions", body)
+    s = wire.parse_sse(reply.body)
+    assert reply.status == 200 and s.done
+    assert any("usage" in e for e in s.events) == QUIRKS[engine.engine].continuous_usage_alone_sends_usage
+
+
+# prompt words that leave under 100 tokens of room: 1,966 of 2,048 (llama.cpp), 4,036 of 4,096 (vLLM)
+NEAR_FULL_WORDS = {"llamacpp": 650, "vllm": 1340}
+
+
+async def test_max_tokens_past_the_context(engine: EngineHandle) -> None:
+    body = wire.chat_body(engine.model, content=wire.overlong_text(NEAR_FULL_WORDS[engine.engine]),
+                          max_tokens=400, ignore_eos=True)
+    async with wire.new_session() as http:
+        reply = await wire.post(http, engine.url + "/v1/chat/completions", body)
+    assert QUIRKS[engine.engine].max_tokens_capped_at_context
+    assert reply.status == 200, reply.body[:300]
+    usage, choice = reply.json()["usage"], reply.json()["choices"][0]
+    ctx = 2048 if engine.engine == "llamacpp" else 4096
+    assert usage["total_tokens"] == ctx and usage["completion_tokens"] < 400
+    assert choice["finish_reason"] == "length"
+
+
 async def test_stream_options_without_stream(engine: EngineHandle) -> None:
     body = wire.chat_body(engine.model, stream_options={"include_usage": True})
     async with wire.new_session() as http:

@@ -151,23 +151,38 @@ async def test_vllm_disconnect_aborts_request(vllm_server: EngineHandle) -> None
 async def test_queueing_beyond_capacity(engine: EngineHandle) -> None:
     """Four streams on two slots / max-num-seqs 2: the extra two wait silently, nobody is rejected."""
     q = QUIRKS[engine.engine]
-    max_tokens = 600 if engine.engine == "llamacpp" else 120
+    # A busy vLLM can leave /metrics unanswered for seconds (its API server shares a core with
+    # everything else): its queue must outlast such a stall.
+    max_tokens = 400 if engine.engine == "llamacpp" else 2500
+    statuses: list[int] = []
     async with wire.new_session() as http:
-        async def one() -> wire.Reply:
-            body = wire.chat_body(engine.model, stream=True, max_tokens=max_tokens)
-            return await wire.post(http, engine.url + "/v1/chat/completions", body)
+        await wire.wait_quiet(http, engine.url, q.running_gauge)
+
+        async def one() -> None:
+            body = wire.chat_body(engine.model, stream=True, max_tokens=max_tokens, ignore_eos=True)
+            async with http.post(engine.url + "/v1/chat/completions", data=orjson.dumps(body),
+                                 headers={"content-type": "application/json"}) as resp:
+                statuses.append(resp.status)
+                async for _ in resp.content:
+                    pass
 
         tasks = [asyncio.create_task(one()) for _ in range(4)]
         peak_running = peak_waiting = 0.0
         health: set[int] = set()
-        while not all(t.done() for t in tasks):
-            fams = await wire.metric_families(http, engine.url)
-            peak_running = max(peak_running, wire.sample_value(fams, q.running_gauge))
-            peak_waiting = max(peak_waiting, wire.sample_value(fams, q.waiting_gauge))
-            health.add((await wire.get(http, engine.url + "/health")).status)
-            await asyncio.sleep(0.02)
-        replies = await asyncio.gather(*tasks)
-    assert [r.status for r in replies] == [200] * 4
-    assert all(wire.parse_sse(r.body).done for r in replies)
-    assert peak_running == 2 and peak_waiting >= 1
+        try:
+            # until the queue was seen (then the streams are cut short) or every stream ended
+            while not all(t.done() for t in tasks) and not (peak_running == 2 and peak_waiting >= 1):
+                fams = await wire.metric_families(http, engine.url)
+                peak_running = max(peak_running, wire.sample_value(fams, q.running_gauge))
+                peak_waiting = max(peak_waiting, wire.sample_value(fams, q.waiting_gauge))
+                health.add((await wire.get(http, engine.url + "/health")).status)
+                await asyncio.sleep(0.02)
+        finally:
+            for t in tasks:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+    # nobody was turned away: every answer so far is 200, the others were still waiting
+    assert [r for r in results if isinstance(r, Exception)] == []  # cut short is a CancelledError
+    assert statuses and set(statuses) == {200}
+    assert (peak_running, peak_waiting >= 1) == (2, True), (peak_running, peak_waiting)
     assert health == {200}

@@ -124,3 +124,19 @@ async def raw_exchange(port: int, body: dict[str, Any], path: str = "/v1/chat/co
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+async def wait_quiet(http: aiohttp.ClientSession, base: str, running_gauge: str, timeout: float = 30.0) -> None:
+    """Until the engine answers /metrics at once and runs nothing: a vLLM still busy with earlier work
+    (an aborted stream's backlog) can leave /metrics unanswered for seconds, and a load test started
+    then would see nothing of its own load."""
+    loop_time = asyncio.get_running_loop().time
+    deadline = loop_time() + timeout
+    while True:
+        started = loop_time()
+        fams = await metric_families(http, base)
+        if sample_value(fams, running_gauge) == 0 and loop_time() - started < 0.1:
+            return
+        if loop_time() > deadline:
+            raise TimeoutError(f"{base} still busy after {timeout} s")
+        await asyncio.sleep(0.1)

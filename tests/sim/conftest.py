@@ -30,5 +30,8 @@ async def sim() -> AsyncIterator[StartSim]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    # A fresh connection per request: llama-server (and so its flavour) closes the connection after
+    # a streamed reply, and a pooled connection reused at once would fail on its next write.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session

@@ -61,11 +61,11 @@ async def test_fail_on_no_slot_and_deferred_requests(sim, http):
         (await task).release()
 
 
-async def test_any_model_name_is_accepted(sim, http):
+async def test_any_model_name_is_accepted_and_answered_with_the_alias(sim, http):
     server = await sim("llamacpp")
     async with http.post(server.url + "/v1/chat/completions",
                          json=chat_body(model="whatever.gguf", max_tokens=2)) as resp:
-        assert resp.status == 200 and (await resp.json())["model"] == "whatever.gguf"
+        assert resp.status == 200 and (await resp.json())["model"] == "sim-model"
 
 
 async def test_stream_role_chunk_null_content_finish_chunk_and_timings(sim, http):

@@ -84,17 +84,18 @@ async def test_stream_chunks_follow_vllm(sim, http):
     assert len({c["id"] for c in chunks}) == 1
 
 
-async def test_stream_options_default_include_usage_true(sim, http):
+async def test_stream_options_need_include_usage(sim, http):
     server = await sim("vllm")
-    async with http.post(server.url + "/v1/chat/completions",
-                         json=chat_body(max_tokens=5, stream=True, stream_options={})) as resp:
-        events = await read_sse(resp)
-    usage = events[-2]
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
-    body = chat_body(max_tokens=5, stream=True, stream_options={"include_usage": False})
+    for options in ({}, {"include_usage": False}, {"continuous_usage_stats": True}):
+        body = chat_body(max_tokens=5, stream=True, stream_options=options)
+        async with http.post(server.url + "/v1/chat/completions", json=body) as resp:
+            assert all("usage" not in e for e in (await read_sse(resp))[:-1]), options
+    body = chat_body(max_tokens=5, stream=True, stream_options={"include_usage": True})
     async with http.post(server.url + "/v1/chat/completions", json=body) as resp:
-        assert all("usage" not in e for e in (await read_sse(resp))[:-1])
-    body["stream_options"] = {"continuous_usage_stats": True}
+        events = await read_sse(resp)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 5
+    assert events[-2]["system_fingerprint"].startswith("vllm-")
+    body["stream_options"]["continuous_usage_stats"] = True
     async with http.post(server.url + "/v1/chat/completions", json=body) as resp:
         events = (await read_sse(resp))[:-1]
     assert all("usage" in e for e in events)
@@ -119,10 +120,12 @@ async def test_context_too_long_is_400_before_any_stream(sim, http, stream):
         assert resp.headers["Content-Type"].startswith("application/json")
         err = (await resp.json())["error"]
     assert err["param"] == "input_tokens" and "maximum context length is 64" in err["message"]
+    # max_tokens past the context is capped at the room left, not refused
     async with http.post(server.url + "/v1/chat/completions",
-                         json=chat_body(max_tokens=60)) as resp:
-        assert resp.status == 400
-        assert "'max_tokens' or 'max_completion_tokens' is too large" in (await resp.json())["error"]["message"]
+                         json=chat_body(max_tokens=60, ignore_eos=True)) as resp:
+        assert resp.status == 200
+        usage = (await resp.json())["usage"]
+    assert usage["total_tokens"] == 64 and usage["completion_tokens"] < 60
 
 
 async def test_stop_string_sets_stop_reason(sim, http):
