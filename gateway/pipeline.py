@@ -16,7 +16,7 @@ from gateway.errors import (GatewayError, bad_request, error_from_event, model_n
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
                               hung_hold)
-from gateway.relay import SSERelay, StreamMeter, model_rewriter, rewrite
+from gateway.relay import ModelRewrite, SSERelay, StreamMeter
 from gateway.shape import classify
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
@@ -170,10 +170,10 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
                 g.metrics.client_error(b.id, status)
                 raise err  # never retried, never counted against the engine
             raise retry
-        pairs = model_rewriter(native, shape.model)
+        rename = ModelRewrite(shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(request, g, b, reply, meter, pairs, body, started, first_by)
+            resp = await stream_reply(request, g, b, reply, meter, rename, body, started, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
@@ -187,7 +187,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
         outcome_ok = True
         if started > b.last_output:
             b.last_output = started
-        return web.Response(body=rewrite(data, pairs) if pairs else data, status=status,
+        return web.Response(body=rename(data), status=status,
                             headers=g.reply_headers(request, reply.headers))
     except Retryable as r:
         status = r.error.status
@@ -211,7 +211,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
             cached_tokens=_cached(usage), running_at_start=running_at_start), t_in, t0)
 
 
-async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, started: float,
+async def stream_reply(request, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body, started: float,
                        first_by: float) -> web.StreamResponse:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     chunks = reply.iter_chunks().__aiter__()
@@ -243,7 +243,7 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, pairs, body, st
     resp._send_headers_immediately = False
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
-    relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, pairs=pairs)
+    relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
     g.streams.add(task)
     try:

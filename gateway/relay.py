@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from time import perf_counter
 from typing import Any
 
@@ -23,18 +24,35 @@ def is_token_event(ev: bytes) -> bool:
     return b'"tool_calls":[{' in ev or b'"tool_calls": [{' in ev
 
 
-def model_rewriter(native: str, public: str) -> tuple[tuple[bytes, bytes], ...]:
-    """Byte replacements that put the public model name back into an engine's JSON (both spacing styles)."""
-    if native == public:
-        return ()
-    n, p = orjson.dumps(native), orjson.dumps(public)
-    return ((b'"model":' + n, b'"model":' + p), (b'"model": ' + n, b'"model": ' + p))
+_MODEL_VALUE = re.compile(rb'"model":\s*("(?:[^"\\]|\\.)*")')
 
 
-def rewrite(data: bytes, pairs: tuple[tuple[bytes, bytes], ...]) -> bytes:
-    for old, new in pairs:
-        data = data.replace(old, new)
-    return data
+class ModelRewrite:
+    """Puts the public model name back into an engine's JSON, whatever name the engine answered with
+    (llama.cpp answers with its own alias). The name is found once; later blocks are plain replaces."""
+
+    __slots__ = ("public", "pairs", "known")
+
+    def __init__(self, public: str) -> None:
+        self.public = orjson.dumps(public)
+        self.pairs: tuple[tuple[bytes, bytes], ...] = ()
+        self.known = False
+
+    def __call__(self, data: bytes) -> bytes:
+        if not self.known:
+            m = _MODEL_VALUE.search(data)
+            if m is None:
+                return data
+            self.known = True
+            name = m.group(1)
+            if name != self.public:
+                self.pairs = ((b'"model":' + name, b'"model":' + self.public),
+                              (b'"model": ' + name, b'"model": ' + self.public))
+        if not self.pairs:
+            return data
+        for old, new in self.pairs:
+            data = data.replace(old, new)
+        return data
 
 
 class StreamMeter:
@@ -55,14 +73,14 @@ class StreamMeter:
 class SSERelay:
     """Splits the upstream byte stream into events, inspects only what stats need, forwards the rest unchanged."""
 
-    __slots__ = ("resp", "meter", "strip_usage", "pairs", "_buf")
+    __slots__ = ("resp", "meter", "strip_usage", "rename", "_buf")
 
     def __init__(self, resp: web.StreamResponse, meter: StreamMeter, strip_usage: bool,
-                 pairs: tuple[tuple[bytes, bytes], ...]) -> None:
+                 rename: ModelRewrite) -> None:
         self.resp = resp
         self.meter = meter
         self.strip_usage = strip_usage
-        self.pairs = pairs
+        self.rename = rename
         self._buf = b""
 
     async def feed(self, chunk: bytes) -> None:
@@ -110,7 +128,7 @@ class SSERelay:
                        if i >= 0), default=-1)
         if special < 0:
             self._ordinary(block, now)
-            return rewrite(block, self.pairs) if self.pairs else block
+            return self.rename(block)
         cut = block.rfind(b"\n\n", 0, special)
         start = cut + 2 if cut >= 0 else 0
         head, tail = block[:start], block[start:]
@@ -124,7 +142,7 @@ class SSERelay:
             if kept is not None:
                 out.append(kept + b"\n\n")
         data = b"".join(out)
-        return rewrite(data, self.pairs) if self.pairs else data
+        return self.rename(data)
 
     def _ordinary(self, block: bytes, now: float) -> None:
         """Timing and finish detection for events that need no parsing."""

@@ -167,8 +167,6 @@ async def test_streams_and_replies_alternate_on_pooled_connections(target: Targe
 
 
 @pytest.mark.parametrize("target_engine", ["llamacpp-real", "llamacpp-sim"], indirect=True)
-@pytest.mark.xfail(strict=True, reason="the gateway rewrites only the configured engine name, and "
-                   "llama-server answers with its own alias whatever name it was sent")
 async def test_llama_alias_is_rewritten_when_configured_under_another_name(
         target_engine: tuple[str, Any]) -> None:
     name, handle = target_engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.relay import SSERelay, StreamMeter, is_token_event, model_rewriter
+from gateway.relay import ModelRewrite, SSERelay, StreamMeter, is_token_event
 
 
 class Sink:
@@ -51,7 +51,7 @@ async def feed_all(relay, data: bytes, step: int) -> None:
 @pytest.mark.parametrize("step", [1, 7, 10_000])
 async def test_relay_strips_usage_rewrites_model_any_chunking(step):
     sink, meter = Sink(), StreamMeter()
-    relay = SSERelay(sink, meter, strip_usage=True, pairs=model_rewriter("n", "public"))
+    relay = SSERelay(sink, meter, strip_usage=True, rename=ModelRewrite("public"))
     await feed_all(relay, ROLE + TOK + TOK + FIN + USAGE + DONE, step)
     assert b'"choices":[]' not in sink.out and b'"model":"public"' in sink.out and b'"model":"n"' not in sink.out
     assert sink.out.endswith(DONE) and sink.out.count(DONE) == 1
@@ -61,7 +61,7 @@ async def test_relay_strips_usage_rewrites_model_any_chunking(step):
 
 async def test_relay_keeps_usage_when_asked_and_adds_done_after_error():
     sink, meter = Sink(), StreamMeter()
-    relay = SSERelay(sink, meter, strip_usage=False, pairs=())
+    relay = SSERelay(sink, meter, strip_usage=False, rename=ModelRewrite("n"))
     err = ev({"error": {"code": 500, "message": "slot died", "type": "server_error"}})
     await feed_all(relay, NULL + TOK + err, 10_000)
     assert sink.out.endswith(DONE)
@@ -72,6 +72,25 @@ async def test_relay_keeps_usage_when_asked_and_adds_done_after_error():
 
 async def test_relay_reports_truncation_when_stream_ends_without_finish():
     sink, meter = Sink(), StreamMeter()
-    relay = SSERelay(sink, meter, strip_usage=True, pairs=())
+    relay = SSERelay(sink, meter, strip_usage=True, rename=ModelRewrite("n"))
     await feed_all(relay, ROLE + TOK, 10_000)
     assert b"upstream_truncated" in sink.out and sink.out.endswith(DONE)
+
+
+@pytest.mark.parametrize("body,public", [
+    (b'{"model":"alias","choices":[]}', "pub"),
+    (b'{"model": "alias", "x": {"model": "alias"}}', "pub"),
+    (b'{"model":"pub","choices":[]}', "pub"),
+    (b'{"model":"a\\"b","choices":[]}', "p"),
+])
+def test_model_rewrite_whatever_the_engine_answered(body, public):
+    out = ModelRewrite(public)(body)
+    names = [v for k, v in _walk(orjson.loads(out)) if k == "model"]
+    assert names and all(n == public for n in names)
+
+
+def _walk(obj):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k, v
+            yield from _walk(v)
