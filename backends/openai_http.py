@@ -11,8 +11,6 @@ import orjson
 from backends.http1 import HostPool, Response
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-                         "server", "date", "content-encoding"})
 
 
 def parse_gauges(text: str, wanted: Mapping[str, tuple[str, ...]]) -> dict[str, float]:
@@ -163,8 +161,3 @@ class OpenAIHTTPBackend:
             return reply.status == 200
         except (aiohttp.ClientError, UpstreamError, TimeoutError):
             return False
-
-
-def response_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    """Upstream headers the client may see (no hop-by-hop, nothing naming the engine host)."""
-    return {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}

@@ -190,7 +190,6 @@ async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None
     log.info("backend %s is now %s (%s)", b.id, new, r.detail)
     if new == READY:
         b.breaker.on_success()  # probes say it serves again: give it traffic now, not when the breaker times out
-    pool.on_health_change(b)
     if on_change is not None:
         on_change(b, new)
 

@@ -32,7 +32,6 @@ class BackendState:
         self.stats = BackendStats(gcfg.stats.max_samples)
         self.next_probe = 0.0
         self._load_stale_s = gcfg.health.load_stale_s
-        self._view: BackendView | None = None
 
     def usable(self, now: float) -> bool:
         return self.health.state == READY and self.breaker.allows(now)
@@ -64,7 +63,6 @@ class Pool:
         self._by_id: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
         self._draining: list[BackendState] = []
-        self.ready_count = 0
         for b in backends:
             self.add(b)
 
@@ -114,9 +112,6 @@ class Pool:
         soonest = min((w for w in waits if w > 0), default=1.0)
         return int(min(max(math.ceil(soonest), 1), 120))
 
-    def on_health_change(self, b: BackendState) -> None:
-        self.ready_count = sum(1 for x in self._by_id.values() if x.health.state == READY)
-
     def is_ready(self) -> bool:
         now = time.monotonic()
         return any(b.usable(now) for b in self._by_id.values())
@@ -127,7 +122,6 @@ class Pool:
         if b is not None:
             b.health.drain()
             self._draining.append(b)
-            self.on_health_change(b)
         return b
 
     def sweep_drained(self) -> list[BackendState]:
