@@ -148,12 +148,17 @@ async def test_vllm_disconnect_aborts_request(vllm_server: EngineHandle) -> None
     assert aborted(after) == aborted(before)
 
 
+# Real engines on a shared 2-core machine: a scrape can miss the short window in which the queue
+# exists, so a miss is tried again rather than taken as a verdict.
+@pytest.mark.flaky(reruns=2)
 async def test_queueing_beyond_capacity(engine: EngineHandle) -> None:
     """Four streams on two slots / max-num-seqs 2: the extra two wait silently, nobody is rejected."""
     q = QUIRKS[engine.engine]
     # A busy vLLM can leave /metrics unanswered for seconds (its API server shares a core with
     # everything else): its queue must outlast such a stall.
-    max_tokens = 400 if engine.engine == "llamacpp" else 2500
+    # llama.cpp is fast here (~4,000 tok/s): its streams must last long enough for a scrape to see
+    # the queue even on a loaded machine, within the 2,048-token slot context.
+    max_tokens = 1800 if engine.engine == "llamacpp" else 2500
     statuses: list[int] = []
     async with wire.new_session() as http:
         await wire.wait_quiet(http, engine.url, q.running_gauge)

@@ -94,6 +94,7 @@ def test_r9700_portfolio_shape():
     assert at16["r9700-vllm"].output_tps == max(r.output_tps for r in at16.values())
 
 
+@pytest.mark.flaky(reruns=2)  # real sleeps: another job on the 2 cores can delay a step past the tolerance
 async def test_real_time_http_matches_the_model(sim, http):
     """One short real-time check: client-measured streams follow the modelled step times."""
     server = await sim("llamacpp", profile="r9700-llamacpp-vulkan")
