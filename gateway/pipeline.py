@@ -150,7 +150,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
     running_at_start = b.in_flight - 1
     started = loop_now()
     b.breaker.on_attempt(started)
-    session = g.session_enter(request.headers, body)
+    session = g.session_enter(shape.session_id)  # found once, by classify
     t0 = time.perf_counter()
     reply = None
     outcome_ok, engine_ok, status, meter = False, False, 502, None

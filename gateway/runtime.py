@@ -175,8 +175,7 @@ class Gateway:
         sid = session_of(body, headers)
         return self._sessions.get(sid, 0) if sid else 0
 
-    def session_enter(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-        sid = session_of(body, headers)
+    def session_enter(self, sid: str | None) -> str | None:
         if sid:
             self._sessions[sid] = self._sessions.get(sid, 0) + 1
         return sid
