@@ -299,6 +299,11 @@ class Connection(asyncio.Protocol):
         self.pool.sem.release()
 
 
+def _expire(head: asyncio.Future) -> None:
+    if not head.done():
+        head.set_exception(TimeoutError("no response head in time"))
+
+
 class HostPool:
     """Idle keep-alive connections to one backend, bounded in number."""
 
@@ -321,9 +326,9 @@ class HostPool:
     def put_idle(self, conn: Connection) -> None:
         self.idle.append(conn)
 
-    async def _connect(self) -> Connection:
+    async def _connect(self, deadline: float) -> Connection:
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout_at(min(deadline, self.loop.time() + self.connect_timeout)):
                 _, conn = await self.loop.create_connection(lambda: Connection(self), self.host, self.port,
                                                             ssl=self.ssl)
         except (OSError, TimeoutError) as e:
@@ -341,31 +346,47 @@ class HostPool:
 
     async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
                       timeout: float) -> Response:
-        """Send a request; returns when the response head arrived. A stale reused connection is retried once."""
+        """Send a request; returns when the response head arrived. A stale reused connection is retried once.
+
+        One deadline covers waiting for a slot, connecting, sending and the response head. The common
+        case (a free slot, an idle connection) arms one timer instead of a task-level timeout.
+        """
         conn = None
         acquired = False
+        deadline = self.loop.time() + timeout
         try:
-            async with asyncio.timeout(timeout):
+            if self.sem.locked():
                 # Waiting for a free slot counts against the deadline: a hung engine holding every
                 # connection must not queue new requests without bound.
-                await self.sem.acquire()
-                acquired = True
-                conn = self._take_idle()
-                if conn is not None:
-                    try:
-                        return await conn.send(method, self.base_path + path, headers, body)
-                    except UpstreamDisconnected:
-                        # An engine may close a keep-alive connection between requests; nothing was
-                        # processed, so the request goes again on a fresh connection.
-                        conn.abandon()
-                conn = await self._connect()
-                return await conn.send(method, self.base_path + path, headers, body)
+                async with asyncio.timeout_at(deadline):
+                    await self.sem.acquire()
+            else:
+                await self.sem.acquire()  # returns at once
+            acquired = True
+            path = self.base_path + path
+            conn = self._take_idle()
+            if conn is not None:
+                try:
+                    return await self._head(conn.send(method, path, headers, body), deadline)
+                except UpstreamDisconnected:
+                    # An engine may close a keep-alive connection between requests; nothing was
+                    # processed, so the request goes again on a fresh connection.
+                    conn.abandon()
+            conn = await self._connect(deadline)
+            return await self._head(conn.send(method, path, headers, body), deadline)
         except BaseException:
             if conn is not None:
                 conn.abandon()  # a timed-out or cancelled exchange must not be reused
             if acquired:
                 self.sem.release()
             raise
+
+    async def _head(self, head: asyncio.Future, deadline: float) -> Response:
+        timer = self.loop.call_at(deadline, _expire, head)
+        try:
+            return await head
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         while self.idle:

@@ -260,14 +260,13 @@ def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
         g = Gateway(cfg)
         b = g.make_backend(cfg.backends[0])
         g.pool.add(b)
-        request: dict = {}
         for kind, stream in (("nonstream", False), ("stream", True)):
             shape = RequestShape("bench", "chat", stream, 8, 200, "default")
             o = Outcome("e", shape, True, 200, ttft=0.002 if stream else None, itl=0.0001 if stream else None,
                         e2e=0.03, prompt_tokens=8, completion_tokens=200)
 
             def path() -> None:
-                g.record(request, b, shape, o, 0.0, 0.0001)
+                g.record(b, shape, o, 0.0, 0.0001)
                 b.view(time.monotonic())
 
             out[f"{kind}:{'on' if enabled else 'off'}"] = timed(path)

@@ -19,85 +19,106 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
 from gateway.health import load_loop, probe_loop
-from gateway.pipeline import GATEWAY, PRINCIPAL, REQUEST_ID
+from gateway.pipeline import GATEWAY, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
-from gateway.runtime import Gateway, RequestIds, stats_report
+from gateway.runtime import Gateway, stats_report
 from gateway.state import shared_state
 
 log = logging.getLogger("shapegate")
-
-# Routes that answer without an API key: liveness for orchestrators, the dashboard's own sign-in.
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-OPEN_PREFIXES = ("/dashboard",)
-
 
 def _error_response(err: GatewayError, request_id: str) -> web.Response:
     headers = {"x-request-id": request_id, **err.headers}
     return web.Response(body=err.body(), status=err.status, content_type="application/json", headers=headers)
 
 
-@web.middleware
-async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
-    """Request id, API key and body limit first; every error leaves as OpenAI-shaped JSON."""
+def _too_large(g: Gateway, length: int | None = None) -> GatewayError:
+    size = f" ({length} bytes)" if length is not None else ""
+    return GatewayError(413, f"The request body{size} exceeds the limit of {g.cfg.server.max_body_bytes} bytes.",
+                        code="request_too_large")
+
+
+async def _api(request: web.Request, route: str) -> web.StreamResponse:
+    """An API route: request id, API key and body limit first, then the pipeline; every error leaves as
+    OpenAI-shaped JSON and the request gets exactly one access-log line however it ends. (One function
+    rather than a middleware: aiohttp wraps each middleware anew for every request.)"""
     g: Gateway = request.app[GATEWAY]
-    rid = request.headers.get("x-request-id") or request.app[REQUEST_IDS].next()
-    request[REQUEST_ID] = rid
-    try:
-        path = request.path
-        if path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES) and not (
-                path == "/metrics" and not g.cfg.metrics.require_admin):
-            request[PRINCIPAL] = g.auth.authenticate(request.headers)
-        length = request.content_length
-        if length is not None and length > g.cfg.server.max_body_bytes:
-            # Refuse before reading: the body of a too-large request is never buffered.
-            raise GatewayError(413, f"The request body ({length} bytes) exceeds the limit of "
-                               f"{g.cfg.server.max_body_bytes} bytes.", code="request_too_large")
-        resp = await handler(request)
-    except GatewayError as e:
-        if e.status in (503, 429):
-            g.metrics.reject(e.status)
-        return _error_response(e, rid)
-    except web.HTTPRequestEntityTooLarge:
-        return _error_response(GatewayError(413, f"The request body exceeds the limit of "
-                                            f"{g.cfg.server.max_body_bytes} bytes.", code="request_too_large"), rid)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        err = GatewayError(e.status, e.reason or "error",
-                           code={404: "not_found", 405: "method_not_allowed"}.get(e.status))
-        return _error_response(err, rid)
-    if "x-request-id" not in resp.headers and not resp.prepared:
-        resp.headers["x-request-id"] = rid
-    return resp
-
-
-async def _served(request: web.Request, route: str) -> web.StreamResponse:
-    """Run the pipeline; the request gets exactly one access-log line however it ends."""
+    headers = request.headers
+    st = RequestState(headers.get("x-request-id") or g.request_ids.next())
     status = 500
     try:
-        resp = await pipeline.handle(request, route)
+        st.principal = g.auth.authenticate(headers)
+        length = request.content_length
+        if length is not None and length > g.cfg.server.max_body_bytes:
+            raise _too_large(g, length)  # refused before reading: the body is never buffered
+        resp = await pipeline.handle(request, st, route)
         status = resp.status
         return resp
     except GatewayError as e:
         status = e.status
-        raise
+        if status in (503, 429):
+            g.metrics.reject(status)
+        return _error_response(e, st.request_id)
+    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit while being read
+        status = 413
+        return _error_response(_too_large(g), st.request_id)
     except asyncio.CancelledError:
         status = 499  # the client went away first
         raise
     finally:
-        request.app[GATEWAY].log_request(request, status)
+        g.log_request(st, status)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _served(request, "chat")
+    return await _api(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _served(request, "completions")
+    return await _api(request, "completions")
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _served(request, "embeddings")
+    return await _api(request, "embeddings")
+
+
+def guarded(handler, *, key: bool = True):
+    """Any other route: request id, API key unless key=False, and errors as OpenAI-shaped JSON."""
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        g: Gateway = request.app[GATEWAY]
+        rid = request.headers.get("x-request-id") or g.request_ids.next()
+        try:
+            if key:
+                g.auth.authenticate(request.headers)
+            length = request.content_length
+            if length is not None and length > g.cfg.server.max_body_bytes:
+                raise _too_large(g, length)
+            resp = await handler(request)
+        except GatewayError as e:
+            return _error_response(e, rid)
+        except web.HTTPRequestEntityTooLarge:
+            return _error_response(_too_large(g), rid)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error_response(_http_error(e.status, e.reason), rid)
+        if "x-request-id" not in resp.headers and not resp.prepared:
+            resp.headers["x-request-id"] = rid
+        return resp
+
+    return route
+
+
+def _http_error(status: int, reason: str | None) -> GatewayError:
+    return GatewayError(status, reason or "error", code={404: "not_found", 405: "method_not_allowed"}.get(status))
+
+
+async def unmatched(request: web.Request) -> web.Response:
+    """The last route: an unknown path is a 404, a known path with another method a 405 (both as JSON)."""
+    allowed = sorted({r.method for r in request.app.router.routes()
+                      if r.resource is not None and r.resource.canonical == request.path and r.method != "*"})
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
 
 
 async def models(request: web.Request) -> web.Response:
@@ -137,7 +158,6 @@ async def stats(request: web.Request) -> web.Response:
 
 SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
-REQUEST_IDS: web.AppKey[RequestIds] = web.AppKey("request_ids", RequestIds)
 
 
 def dashboard_secret(cfg: GatewayConfig) -> bytes:
@@ -198,29 +218,31 @@ async def _flush_loop(g: Gateway) -> None:
 
 
 def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=cfg.server.max_body_bytes,
-                          handler_args={"tcp_keepalive": True})
+    app = web.Application(client_max_size=cfg.server.max_body_bytes, handler_args={"tcp_keepalive": True})
     app[GATEWAY] = Gateway(cfg)
     app[SHUTTING_DOWN] = False
-    app[REQUEST_IDS] = RequestIds()
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/stats", stats)
+    r = app.router
+    r.add_post("/v1/chat/completions", chat)
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/embeddings", embeddings)
+    r.add_get("/v1/models", guarded(models))
+    # Liveness and readiness answer without a key (orchestrators); /metrics asks for an admin key itself
+    # when configured to (read per scrape, so that a reload applies).
+    r.add_get("/healthz", guarded(healthz, key=False))
+    r.add_get("/readyz", guarded(readyz, key=False))
+    r.add_get("/metrics", guarded(metrics, key=False))
+    r.add_get("/stats", guarded(stats))
     app[DASHBOARD_SECRET] = dashboard_secret(cfg)
     if cfg.dashboard.enabled:
         gw = app[GATEWAY]
         setup_dashboard(app, admin_for_key=gw.auth.admin_for_key, session_secret=app[DASHBOARD_SECRET],
                         stats_provider=lambda: stats_report(gw), secure_cookie=cfg.dashboard.secure_cookie,
-                        session_ttl_s=cfg.dashboard.session_ttl_s)
-    app.router.add_post("/admin/reload", admin_reload)
+                        session_ttl_s=cfg.dashboard.session_ttl_s,
+                        wrap=lambda h: guarded(h, key=False))  # its own sign-in: cookie or admin key
+    r.add_post("/admin/reload", guarded(admin_reload))
+    r.add_route("*", "/{tail:.*}", guarded(unmatched, key=False))
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_loops)
     app.cleanup_ctx.append(routing_state)
     return app
-

@@ -1,9 +1,9 @@
-"""Protocols and frozen records shared by the gateway, policies/ and backends/ (imports nothing of ours)."""
+"""Protocols and immutable records shared by the gateway, policies/ and backends/ (imports nothing of ours)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, Protocol
+from typing import Any, AsyncIterator, Mapping, NamedTuple, Protocol
 
 # Request classes: which latency matters most for a request.
 LONG_OUTPUT = "long_output"
@@ -19,8 +19,9 @@ UNHEALTHY = "unhealthy"
 DRAINING = "draining"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestShape:
+# Records made for every request are NamedTuples: immutable like the frozen dataclasses below, and
+# built at well under half their cost (a frozen dataclass sets each field through object.__setattr__).
+class RequestShape(NamedTuple):
     """What the gateway knows about a request before routing it."""
 
     model: str
@@ -65,8 +66,7 @@ class LoadSample:
     at: float = 0.0  # monotonic time the sample was taken
 
 
-@dataclass(frozen=True, slots=True)
-class BackendView:
+class BackendView(NamedTuple):
     """A snapshot of one candidate backend, taken for one routing decision."""
 
     id: str
@@ -79,8 +79,7 @@ class BackendView:
     weight: float = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class RouteInput:
+class RouteInput(NamedTuple):
     shape: RequestShape
     candidates: tuple[BackendView, ...]
     affinity: str | None = None  # backend id that last served this session or prefix
@@ -88,16 +87,14 @@ class RouteInput:
     affinity_tokens: int = 0  # prompt tokens that backend likely still holds in its prefix cache
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """A policy's answer: candidates best first, and why the first one won."""
 
     ranked: tuple[BackendView, ...]
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What happened to one request on one backend, fed back to policies and stats."""
 
     backend: str
@@ -123,8 +120,7 @@ class Policy(Protocol):
     def observe(self, outcome: Outcome) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamCall:
+class UpstreamCall(NamedTuple):
     """One HTTP call to a backend: the body is already in the engine's dialect."""
 
     path: str

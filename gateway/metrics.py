@@ -10,7 +10,7 @@ from itertools import accumulate
 from typing import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -24,6 +24,7 @@ HEALTH_STATES = ("starting", "ready", "unhealthy", "draining")
 BREAKER_STATES = ("closed", "open", "half_open")
 # A policy's reason is free text; its first word is kept as a label, up to this many distinct ones.
 MAX_REASON_KINDS = 32
+MAX_CACHED_REASONS = 4096
 
 # name, help, labels, multiprocess mode. Modes, when several worker processes each hold their own view:
 # in-flight adds up over live workers; a health/breaker state reads 1 when any live worker sees the backend
@@ -109,12 +110,49 @@ class LeanHistogram:
         return fam
 
 
+class LeanCounterChild:
+    """One label set of a LeanCounter."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LeanCounter:
+    """A counter without prometheus_client's per-increment lock, for the same reason as LeanHistogram."""
+
+    def __init__(self, name: str, doc: str, labelnames: Iterable[str] = ()) -> None:
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self._children: dict[tuple[str, ...], LeanCounterChild] = {}
+        if not self.labelnames:
+            self.labels()  # shown as 0 from the start, as prometheus_client does
+
+    def labels(self, *values: str) -> LeanCounterChild:
+        c = self._children.get(values)
+        if c is None:
+            c = self._children[values] = LeanCounterChild()
+        return c
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.labels().inc(amount)
+
+    def family(self) -> CounterMetricFamily:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for values, c in self._children.items():
+            fam.add_metric(list(values), c.value)
+        return fam
+
+
 class LeanCollector(Collector):
-    def __init__(self, histograms: list[LeanHistogram]) -> None:
-        self._histograms = histograms
+    def __init__(self, metrics: list[LeanHistogram | LeanCounter]) -> None:
+        self._metrics = metrics
 
     def collect(self):
-        return [h.family() for h in self._histograms]
+        return [m.family() for m in self._metrics]
 
 
 class PoolCollector(Collector):
@@ -169,7 +207,7 @@ class Metrics:
     def __init__(self, backends: Callable[[], Iterable]) -> None:
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         r = self.registry = CollectorRegistry()
-        lean: list[LeanHistogram] = []
+        lean: list[LeanHistogram | LeanCounter] = []
 
         def histogram(name: str, doc: str, labels: list[str], buckets: tuple) -> LeanHistogram | Histogram:
             if self.multiprocess_dir:  # values must reach the shared files
@@ -177,8 +215,14 @@ class Metrics:
             lean.append(LeanHistogram(name, doc, labels, buckets))
             return lean[-1]
 
-        self.requests = Counter("shapegate_requests", "Requests answered, by backend and status",
-                                ["backend", "model", "class", "status"], registry=r)
+        def counter(name: str, doc: str, labels: list[str] = ()) -> LeanCounter | Counter:
+            if self.multiprocess_dir:
+                return Counter(name, doc, labels, registry=r)
+            lean.append(LeanCounter(name, doc, labels))
+            return lean[-1]
+
+        self.requests = counter("shapegate_requests", "Requests answered, by backend and status",
+                                ["backend", "model", "class", "status"])
         self.ttft = histogram("shapegate_ttft_seconds", "Time to first token measured by the gateway",
                               ["backend", "class"], TTFT_BUCKETS)
         self.itl = histogram("shapegate_itl_seconds", "Inter-token latency measured by the gateway",
@@ -187,28 +231,23 @@ class Metrics:
         self.overhead = histogram("shapegate_gateway_overhead_seconds",
                                   "Time spent in the gateway itself before the upstream call", [], OVERHEAD_BUCKETS)
         self._overhead = self.overhead.labels() if isinstance(self.overhead, LeanHistogram) else self.overhead
-        self.prompt_tokens = Counter("shapegate_prompt_tokens", "Prompt tokens", ["backend"], registry=r)
-        self.completion_tokens = Counter("shapegate_completion_tokens", "Completion tokens", ["backend"],
-                                         registry=r)
-        self.decisions = Counter("shapegate_routing_decisions", "Routing decisions by policy, first choice "
-                                 "and reason kind", ["policy", "backend", "reason"], registry=r)
-        self.affinity_lookups = Counter("shapegate_prefix_affinity", "Prefix/session affinity lookups",
-                                        ["result"], registry=r)
-        self.retries = Counter("shapegate_upstream_retries", "Failovers to another backend", ["backend"],
-                               registry=r)
-        self.client_errors = Counter("shapegate_upstream_client_errors", "4xx answers relayed from engines",
-                                     ["backend", "status"], registry=r)
-        self.rejected = Counter("shapegate_rejected", "Requests refused by the gateway itself", ["status"],
-                                registry=r)
-        self.stream_errors = Counter("shapegate_stream_errors",
-                                     "Streams ended with an error event after output had started", ["backend"],
-                                     registry=r)
-        self.health_changes = Counter("shapegate_backend_health_changes", "Probe-driven health state changes",
-                                      ["backend", "state"], registry=r)
-        self.reloads = Counter("shapegate_config_reloads", "Configuration reloads by result", ["result"],
-                               registry=r)
-        self.log_dropped = Counter("shapegate_access_log_dropped", "Access log lines dropped because stdout "
-                                   "did not keep up", registry=r)
+        self.prompt_tokens = counter("shapegate_prompt_tokens", "Prompt tokens", ["backend"])
+        self.completion_tokens = counter("shapegate_completion_tokens", "Completion tokens", ["backend"])
+        self.decisions = counter("shapegate_routing_decisions", "Routing decisions by policy, first choice "
+                                 "and reason kind", ["policy", "backend", "reason"])
+        self.affinity_lookups = counter("shapegate_prefix_affinity", "Prefix/session affinity lookups",
+                                        ["result"])
+        self.retries = counter("shapegate_upstream_retries", "Failovers to another backend", ["backend"])
+        self.client_errors = counter("shapegate_upstream_client_errors", "4xx answers relayed from engines",
+                                     ["backend", "status"])
+        self.rejected = counter("shapegate_rejected", "Requests refused by the gateway itself", ["status"])
+        self.stream_errors = counter("shapegate_stream_errors",
+                                     "Streams ended with an error event after output had started", ["backend"])
+        self.health_changes = counter("shapegate_backend_health_changes", "Probe-driven health state changes",
+                                      ["backend", "state"])
+        self.reloads = counter("shapegate_config_reloads", "Configuration reloads by result", ["result"])
+        self.log_dropped = counter("shapegate_access_log_dropped", "Access log lines dropped because stdout "
+                                   "did not keep up")
         Gauge("shapegate_workers", "Gateway worker processes serving", registry=r,
               multiprocess_mode="livesum").set(1)
         if self.multiprocess_dir:
@@ -219,6 +258,7 @@ class Metrics:
             r.register(LeanCollector(lean))
         self._children: dict[tuple, tuple] = {}
         self._decisions: dict[tuple[str, str, str], object] = {}
+        self._by_reason: dict[tuple[str, str, str], object] = {}
         self._kinds: set[str] = set()
         self._affinity = (self.affinity_lookups.labels("miss"), self.affinity_lookups.labels("hit"))
 
@@ -257,6 +297,15 @@ class Metrics:
             c_completion.inc(completion)
 
     def decision(self, policy: str, backend: str, reason: str) -> None:
+        # Reasons repeat (a policy has few of them, numbers aside): the child is found by the whole reason.
+        c = self._by_reason.get((policy, backend, reason))
+        if c is None:
+            c = self._decision_child(policy, backend, reason)
+            if len(self._by_reason) < MAX_CACHED_REASONS:
+                self._by_reason[(policy, backend, reason)] = c
+        c.inc()
+
+    def _decision_child(self, policy: str, backend: str, reason: str):
         kind = reason_kind(policy, reason)
         if kind not in self._kinds:
             if len(self._kinds) >= MAX_REASON_KINDS:
@@ -267,7 +316,7 @@ class Metrics:
         c = self._decisions.get(key)
         if c is None:
             c = self._decisions[key] = self.decisions.labels(policy, backend, kind)
-        c.inc()
+        return c
 
     def affinity(self, hit: bool) -> None:
         self._affinity[hit].inc()

@@ -17,16 +17,11 @@ from gateway.errors import (GatewayError, bad_request, error_from_event, model_n
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
                               hung_hold)
 from gateway.relay import ModelRewrite, SSERelay, StreamMeter
-from gateway.shape import classify
+from gateway.shape import classify, session_of
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 FORWARDED_HEADERS = ("x-request-id", "traceparent", "tracestate")
 GATEWAY: web.AppKey = web.AppKey("gateway")
-REQUEST_ID = web.RequestKey("request_id", str)
-PRINCIPAL = web.RequestKey("principal", object)
-BACKEND = web.RequestKey("backend", str)
-REASON = web.RequestKey("reason", str)
-SHAPE = web.RequestKey("shape", RequestShape)
 REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
 
@@ -54,18 +49,32 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
     return body
 
 
-async def handle(request: web.Request, route: str) -> web.StreamResponse:
+class RequestState:
+    """What one client request gathers on its way: who sent it, its shape, where it went, how it ended."""
+
+    __slots__ = ("request_id", "principal", "shape", "backend", "reason", "outcome")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.principal = None
+        self.shape: RequestShape | None = None
+        self.backend = ""
+        self.reason = ""
+        self.outcome: Outcome | None = None  # the last attempt's
+
+
+async def handle(request: web.Request, st: RequestState, route: str) -> web.StreamResponse:
     """The request path, one call per stage."""
     g = request.app[GATEWAY]
     t_in = time.perf_counter()
-    principal = request[PRINCIPAL]
+    principal = st.principal.id
     raw = await request.read()
     body = parse_body(raw, route)
-    shape = classify(route=route, body=body, headers=request.headers, principal=principal.id, cfg=g.cfg.shape,
-                     learned_output=g.estimator.expected(principal.id, body["model"]),
-                     session_in_flight=g.session_load(request.headers, body),
-                     want_prefix=g.wants_prefix)
-    request[SHAPE] = shape
+    headers = request.headers
+    sid = session_of(body, headers)
+    st.shape = shape = classify(route=route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
+                                learned_output=g.estimator.expected(principal, body["model"]),
+                                session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     now = time.monotonic()
@@ -80,15 +89,17 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
         g.metrics.affinity(affinity is not None)
     decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached))
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
-    request[REASON] = decision.reason
-    return await dispatch(request, g, shape, body, raw, decision, t_in)
+    st.reason = decision.reason
+    return await dispatch(request, st, g, shape, body, raw, decision, t_in)
 
 
-async def dispatch(request, g, shape: RequestShape, body, raw, decision, t_in: float) -> web.StreamResponse:
+async def dispatch(request, st: RequestState, g, shape: RequestShape, body, raw, decision,
+                   t_in: float) -> web.StreamResponse:
     """Try the ranked backends in turn; a failure before the first byte moves on, after it never does."""
     cfg = g.cfg
-    fwd = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-    fwd["x-request-id"] = request[REQUEST_ID]
+    headers = request.headers
+    fwd = {h: headers[h] for h in FORWARDED_HEADERS if h in headers}
+    fwd["x-request-id"] = st.request_id
     deadline = time.monotonic() + cfg.routing.retry_deadline_s
     max_attempts = cfg.routing.max_attempts
     # A stream's class deadline for the first byte; the last candidate always gets first_byte_timeout_s.
@@ -111,11 +122,11 @@ async def dispatch(request, g, shape: RequestShape, body, raw, decision, t_in: f
         native = b.models[shape.model]
         call = UpstreamCall(PATHS[shape.route], b.adapter.prepare(shape.route, body, raw, native, shape.stream),
                             fwd, shape.stream)
-        request[BACKEND] = b.id
+        st.backend = b.id
         if failed:
-            request[REASON] = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
+            st.reason = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
         try:
-            resp = await attempt(request, g, b, shape, body, call, native, t_in, first_byte_s)
+            resp = await attempt(request, st, g, b, shape, body, call, t_in, first_byte_s)
         except Retryable as r:
             last_error = r.error
             failed = [b.id] if failed is None else [*failed, b.id]
@@ -142,7 +153,7 @@ def _another_usable(g, ranked, i: int) -> bool:
     return False
 
 
-async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, native: str,
+async def attempt(request, st: RequestState, g, b, shape: RequestShape, body, call: UpstreamCall,
                   t_in: float, first_byte_s: float) -> web.StreamResponse:
     cfg = g.cfg
     loop_now = time.monotonic
@@ -173,7 +184,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
         rename = ModelRewrite(shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(request, g, b, reply, meter, rename, body, started, first_by)
+            resp = await stream_reply(request, st, g, b, reply, meter, rename, body, started, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
@@ -187,8 +198,7 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
         outcome_ok = True
         if started > b.last_output:
             b.last_output = started
-        return web.Response(body=rename(data), status=status,
-                            headers=g.reply_headers(request, reply.headers))
+        return web.Response(body=rename(data), status=status, headers=g.reply_headers(st, reply.headers))
     except Retryable as r:
         status = r.error.status
         raise
@@ -201,18 +211,19 @@ async def attempt(request, g, b, shape: RequestShape, body, call: UpstreamCall, 
             b.breaker.on_success(started)
         else:
             b.breaker.release()  # no verdict (client left, a 500 still under judgement): free a half-open trial
-        g.record(request, b, shape, Outcome(
+        st.outcome = o = Outcome(
             backend=b.id, shape=shape, ok=outcome_ok, status=status,
             ttft=(meter.t_first - t0) if meter and meter.t_first is not None else None,
             itl=_itl(meter, usage),
             e2e=time.perf_counter() - t0,
             prompt_tokens=int((usage or {}).get("prompt_tokens") or shape.prompt_tokens),
             completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
-            cached_tokens=_cached(usage), running_at_start=running_at_start), t_in, t0)
+            cached_tokens=_cached(usage), running_at_start=running_at_start)
+        g.record(b, shape, o, t_in, t0)
 
 
-async def stream_reply(request, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body, started: float,
-                       first_by: float) -> web.StreamResponse:
+async def stream_reply(request, st: RequestState, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body,
+                       started: float, first_by: float) -> web.StreamResponse:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     chunks = reply.iter_chunks().__aiter__()
     try:
@@ -238,7 +249,7 @@ async def stream_reply(request, g, b, reply, meter: StreamMeter, rename: ModelRe
         raise err
     opts = body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-    resp = web.StreamResponse(status=200, headers=g.reply_headers(request, reply.headers))
+    resp = web.StreamResponse(status=200, headers=g.reply_headers(st, reply.headers))
     # The head goes out with the first events in one write (the first bytes are already here).
     resp._send_headers_immediately = False
     resp.content_type = "text/event-stream"

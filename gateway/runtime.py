@@ -20,14 +20,12 @@ from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.contracts import Outcome, Policy, RequestShape
 from gateway.metrics import Metrics
-from gateway.pipeline import BACKEND, PRINCIPAL, REASON, REQUEST_ID, SHAPE
+from gateway.pipeline import RequestState
 from gateway.pool import BackendState, Pool
-from gateway.shape import session_of
 from gateway.state import AffinityIndex
 from gateway.stats import OutputEstimator
 
 SAFE_UPSTREAM_HEADERS = ("content-type",)
-OUTCOME = web.RequestKey("outcome", Outcome)
 MAX_PENDING_LINES = 50_000  # access-log lines held while stdout does not take them; the oldest go first
 log = logging.getLogger("shapegate")
 
@@ -136,6 +134,7 @@ class Gateway:
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
+        self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
         # Shutdown: `stopping` turns /readyz false; `cutting` marks the end of the grace period, when
@@ -171,8 +170,7 @@ class Gateway:
         return (m.policy if m is not None else None) or self.cfg.routing.policy
 
     # -- sessions: how many requests of one session are in flight (interactive = one at a time) --
-    def session_load(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> int:
-        sid = session_of(body, headers)
+    def session_load(self, sid: str | None) -> int:
         return self._sessions.get(sid, 0) if sid else 0
 
     def session_enter(self, sid: str | None) -> str | None:
@@ -189,17 +187,15 @@ class Gateway:
                 self._sessions.pop(sid, None)
 
     # -- response headers ----------------------------------------------------------------------
-    def reply_headers(self, request: web.Request, upstream: Mapping[str, str]) -> dict[str, str]:
+    def reply_headers(self, st: RequestState, upstream: Mapping[str, str]) -> dict[str, str]:
         h = {k: upstream[k] for k in SAFE_UPSTREAM_HEADERS if k in upstream}
-        h["x-request-id"] = request[REQUEST_ID]
-        h["x-shapegate-backend"] = request.get(BACKEND, "")
-        h["x-shapegate-reason"] = request.get(REASON, "")
+        h["x-request-id"] = st.request_id
+        h["x-shapegate-backend"] = st.backend
+        h["x-shapegate-reason"] = st.reason
         return h
 
     # -- record stage ----------------------------------------------------------------------------
-    def record(self, request: web.Request, b: BackendState, shape: RequestShape, o: Outcome,
-               t_in: float, t_upstream: float) -> None:
-        request[OUTCOME] = o  # the last attempt's outcome is the request's, for its access-log line
+    def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float) -> None:
         if self.cfg.stats.enabled:
             now = time.monotonic()
             load = b.load
@@ -217,23 +213,24 @@ class Gateway:
         if o.ok and shape.output_tokens and o.completion_tokens and shape.route != "embeddings":
             self.estimator.learn(shape.principal, shape.model, o.completion_tokens)
 
-    def log_request(self, request: web.Request, status: int) -> None:
+    def log_request(self, st: RequestState, status: int) -> None:
         """The request's one access-log line, whatever its ending: served, failed over, refused, client gone."""
         if not self.access_log.enabled:
             return
-        shape: RequestShape | None = request.get(SHAPE)
-        o: Outcome | None = request.get(OUTCOME)
-        if o is not None and status == 200 and not o.ok:
-            status = o.status  # the stream had started (200 sent), then failed
-        principal = request.get(PRINCIPAL)
-        self.access_log.write({
-            "ts": round(time.time(), 3), "request_id": request.get(REQUEST_ID),
-            "principal": getattr(principal, "id", None), "model": shape.model if shape else None,
-            "class": shape.klass if shape else None, "backend": request.get(BACKEND),
-            "reason": request.get(REASON), "status": status, "stream": shape.stream if shape else None,
-            "ttft_ms": _ms(o.ttft) if o else None, "itl_ms": _ms(o.itl) if o else None,
-            "e2e_ms": _ms(o.e2e) if o else None, "prompt_tokens": o.prompt_tokens if o else None,
-            "completion_tokens": o.completion_tokens if o else None})
+        shape, o, principal = st.shape, st.outcome, st.principal
+        line = {"ts": round(time.time(), 3), "request_id": st.request_id,
+                "principal": principal.id if principal is not None else None,
+                "model": None, "class": None, "backend": st.backend or None, "reason": st.reason or None,
+                "status": status, "stream": None, "ttft_ms": None, "itl_ms": None, "e2e_ms": None,
+                "prompt_tokens": None, "completion_tokens": None}
+        if shape is not None:
+            line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
+        if o is not None:
+            if status == 200 and not o.ok:
+                line["status"] = o.status  # the stream had started (200 sent), then failed
+            line["ttft_ms"], line["itl_ms"], line["e2e_ms"] = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
+            line["prompt_tokens"], line["completion_tokens"] = o.prompt_tokens, o.completion_tokens
+        self.access_log.write(line)
 
 
 def _ms(v: float | None) -> float | None:

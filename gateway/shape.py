@@ -40,6 +40,25 @@ def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
     return (prompt if isinstance(prompt, str) else ""), 0
 
 
+def prompt_size(route: str, body: Mapping[str, Any]) -> tuple[int, int]:
+    """len() of prompt_text's string and its message count, without building the string."""
+    if route != "chat":
+        text, _ = prompt_text(route, body)
+        return len(text), 0
+    n = chars = 0
+    for m in body.get("messages") or ():
+        if isinstance(m, dict):
+            role, content = m.get("role", ""), m.get("content")
+            chars += (len(role) if isinstance(role, str) else len(str(role))) + 2 + \
+                len(content if isinstance(content, str) else _content_text(content))
+            n += 1
+    tools = body.get("tools")
+    if tools:
+        chars += len(f"<tools>{tools!r}")
+        n += 1
+    return chars, n
+
+
 def prefix_hashes(model: str, salt: str, text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
     """Chained 63-bit hashes of whole fixed-size character blocks: equal hash i means equal first i+1 blocks.
 
@@ -90,13 +109,18 @@ def session_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | Non
     return None
 
 
-def classify(*, route: str, body: Mapping[str, Any], headers: Mapping[str, str], principal: str,
+def classify(*, route: str, body: Mapping[str, Any], session: str | None, principal: str,
              cfg: ShapeConfig, learned_output: float | None = None, session_in_flight: int = 0,
              want_prefix: bool = True) -> RequestShape:
+    """`session` is the request's session id (session_of), found once by the caller."""
     model = body["model"]
     stream = body.get("stream") is True
-    text, n_messages = prompt_text(route, body)
-    prompt_tokens = len(text) // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * n_messages + 1
+    if want_prefix and route != "embeddings":
+        text, n_messages = prompt_text(route, body)
+        chars = len(text)
+    else:  # only the size matters: the prompt is not copied into one string
+        text, (chars, n_messages) = "", prompt_size(route, body)
+    prompt_tokens = chars // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * n_messages + 1
     asked = requested_output(body)
     if route == "embeddings":
         output = 0
@@ -104,7 +128,6 @@ def classify(*, route: str, body: Mapping[str, Any], headers: Mapping[str, str],
         output = asked
     else:
         output = int(learned_output) if learned_output else cfg.default_output_tokens
-    session = session_of(body, headers)
     if route == "embeddings":
         klass = DEFAULT
     elif stream and session and session_in_flight == 0 and output < cfg.long_output_tokens:

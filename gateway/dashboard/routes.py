@@ -67,6 +67,7 @@ def setup_dashboard(
     secure_cookie: bool = True,
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     clock: Callable[[], float] = time.time,
+    wrap: Callable[[Callable], Callable] = lambda handler: handler,
 ) -> None:
     """Register /dashboard, /dashboard/{login,logout,feed} and /dashboard/static/{file}.
 
@@ -79,6 +80,7 @@ def setup_dashboard(
     `secure_cookie` must stay True whenever the gateway is reached over TLS; only a plain-HTTP
     loopback listener (tests, local use) may turn it off, since browsers drop Secure cookies there.
     Sessions are stateless: signing out clears the browser's copy, rotating the secret ends them all.
+    `wrap` is applied to every handler (the host application's request id and error handling).
     """
     check_secret(session_secret)
     if session_ttl_s <= 0:
@@ -92,11 +94,11 @@ def setup_dashboard(
         clock=clock,
         assets=_load_assets(STATIC_DIR),
     )
-    app.router.add_get("/dashboard", _page)
-    app.router.add_post("/dashboard/login", _login)
-    app.router.add_post("/dashboard/logout", _logout)
-    app.router.add_get("/dashboard/feed", _feed)
-    app.router.add_get("/dashboard/static/{file}", _static)
+    app.router.add_get("/dashboard", wrap(_page))
+    app.router.add_post("/dashboard/login", wrap(_login))
+    app.router.add_post("/dashboard/logout", wrap(_logout))
+    app.router.add_get("/dashboard/feed", wrap(_feed))
+    app.router.add_get("/dashboard/static/{file}", wrap(_static))
 
 
 def session_principal(request: web.Request, secret: bytes, *, now: float | None = None) -> str | None:

@@ -48,7 +48,7 @@ async def store(request):
 
 def shape(text: str, session: str | None = None):
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 10}
-    return classify(route="chat", body=body, headers={"x-session-id": session} if session else {}, principal="p",
+    return classify(route="chat", body=body, session=session, principal="p",
                     cfg=CFG)
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT
-from gateway.shape import classify, prefix_hashes, prompt_text, requested_output, session_key, session_of
+from gateway.shape import (classify, prefix_hashes, prompt_size, prompt_text, requested_output, session_key,
+                           session_of)
 
 CFG = ShapeConfig()  # long_prompt 768 tokens (and 2x the output), long_output 512, default output 256
 
@@ -16,7 +17,7 @@ def chat(text: str, **extra) -> dict:
 
 
 def shape_of(body: dict, route: str = "chat", headers: dict | None = None, **kw):
-    return classify(route=route, body=body, headers=headers or {}, principal="p", cfg=CFG, **kw)
+    return classify(route=route, body=body, session=session_of(body, headers or {}), principal="p", cfg=CFG, **kw)
 
 
 WORDS_1000 = "abc " * 1000  # ~1,000 tokens at four characters each
@@ -60,6 +61,20 @@ def test_classify(case, body, headers, kw, klass, output):
 ])
 def test_prompt_token_estimate(body, expected):
     assert shape_of(body).prompt_tokens == expected
+
+
+@pytest.mark.parametrize("body", [
+    chat("hello"),
+    {"model": "m", "messages": [{"role": "system", "content": "s" * 33}, "not a message",
+                                {"role": None, "content": None}, {"content": [{"text": "x"}, {"text": 5}, "y"]},
+                                {"role": 7, "content": "z"}], "tools": [{"type": "function", "name": "f"}]},
+    {"model": "m", "messages": []},
+])
+def test_prompt_size_matches_prompt_text(body):
+    """Without prefix hashing the prompt is only measured; the estimate must not change with that."""
+    text, n = prompt_text("chat", body)
+    assert prompt_size("chat", body) == (len(text), n)
+    assert shape_of(body, want_prefix=False).prompt_tokens == shape_of(body, want_prefix=True).prompt_tokens
 
 
 def test_completions_prompt_and_list_prompt():

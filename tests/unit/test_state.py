@@ -24,7 +24,7 @@ class FakeClock:
 
 def shape(text: str, model: str = "m", session: str | None = None) -> RequestShape:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 10}
-    return classify(route="chat", body=body, headers={"x-session-id": session} if session else {}, principal="p",
+    return classify(route="chat", body=body, session=session, principal="p",
                     cfg=CFG)
 
 
