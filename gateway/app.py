@@ -8,7 +8,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
@@ -19,7 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
 from gateway.health import load_loop, probe_loop
-from gateway.pipeline import GATEWAY, RequestState
+from gateway.pipeline import GATEWAY, Exchange, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.runtime import Gateway, stats_report
 from gateway.state import shared_state
@@ -37,30 +37,31 @@ def _too_large(g: Gateway, length: int | None = None) -> GatewayError:
                         code="request_too_large")
 
 
-async def _api(request: web.Request, route: str) -> web.StreamResponse:
-    """An API route: request id, API key and body limit first, then the pipeline; every error leaves as
-    OpenAI-shaped JSON and the request gets exactly one access-log line however it ends. (One function
-    rather than a middleware: aiohttp wraps each middleware anew for every request.)"""
-    g: Gateway = request.app[GATEWAY]
-    headers = request.headers
+async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
+    """An API request, whichever server received it: request id, API key and body limit first, then the
+    pipeline; every error leaves as OpenAI-shaped JSON and the request gets exactly one access-log line
+    however it ends."""
+    headers = ex.headers
     st = RequestState(headers.get("x-request-id") or g.request_ids.next())
     status = 500
     try:
         st.principal = g.auth.authenticate(headers)
-        length = request.content_length
+        length = ex.content_length
         if length is not None and length > g.cfg.server.max_body_bytes:
             raise _too_large(g, length)  # refused before reading: the body is never buffered
-        resp = await pipeline.handle(request, st, route)
+        resp = await pipeline.handle(g, ex, st, route)
         status = resp.status
         return resp
     except GatewayError as e:
         status = e.status
         if status in (503, 429):
             g.metrics.reject(status)
-        return _error_response(e, st.request_id)
+        return ex.reply(status, {"Content-Type": "application/json", "x-request-id": st.request_id, **e.headers},
+                        e.body())
     except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit while being read
         status = 413
-        return _error_response(_too_large(g), st.request_id)
+        return ex.reply(413, {"Content-Type": "application/json", "x-request-id": st.request_id},
+                        _too_large(g).body())
     except asyncio.CancelledError:
         status = 499  # the client went away first
         raise
@@ -68,16 +69,40 @@ async def _api(request: web.Request, route: str) -> web.StreamResponse:
         g.log_request(st, status)
 
 
+class AiohttpExchange:
+    """An API request that reached aiohttp (handed over by the front, see gateway/front.py)."""
+
+    __slots__ = ("request", "headers", "content_length")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.headers = request.headers
+        self.content_length = request.content_length
+
+    async def read(self) -> bytes:
+        return await self.request.read()
+
+    def reply(self, status: int, headers: dict[str, str], body: bytes) -> web.Response:
+        return web.Response(body=body, status=status, headers=headers)
+
+    async def open_stream(self, headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=headers)
+        resp._send_headers_immediately = False  # the head goes out with the first events
+        resp.content_type = "text/event-stream"
+        await resp.prepare(self.request)
+        return resp
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _api(request, "chat")
+    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _api(request, "completions")
+    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "completions")
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _api(request, "embeddings")
+    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "embeddings")
 
 
 def guarded(handler, *, key: bool = True):

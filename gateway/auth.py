@@ -30,7 +30,7 @@ def new_key() -> str:
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    auth = headers.get("Authorization")
+    auth = headers.get("authorization")  # lower case: both servers look names up that way
     if auth:
         scheme, _, value = auth.partition(" ")
         if scheme.lower() == "bearer" and value.strip():

@@ -16,23 +16,17 @@ from gateway.config import ConfigError, load_config
 async def serve_until_signal(cfg, host: str, port: int, config_path: str | None = None,
                              reuse_port: bool = False) -> None:
     """Run the gateway; SIGHUP reloads the config; SIGTERM/SIGINT stop accepting and let streams finish."""
-    from aiohttp import web
-
     from gateway.app import build_app
+    from gateway.front import start_serving
     from gateway.lifecycle import CUT_MARGIN_S, shutdown
     from gateway.pipeline import GATEWAY
     from gateway.reload import RELOADER
 
     app = build_app(cfg, config_path)
     grace = cfg.server.shutdown_grace_s
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=grace + CUT_MARGIN_S)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
     try:
-        await site.start()
+        front = await start_serving(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
     except OSError as e:
-        await runner.cleanup()
         raise SystemExit(f"shapegate: cannot listen on {host}:{port}: {e.strerror or e}") from None
     logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
     stop = asyncio.Event()
@@ -42,7 +36,7 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
     loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
     await stop.wait()
     loop.remove_signal_handler(signal.SIGHUP)
-    await shutdown(runner, app[GATEWAY], grace)
+    await shutdown(front, app[GATEWAY], grace)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ class ServerConfig(Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     access_log: bool = True
+    keepalive_s: float = Field(75.0, gt=0)
 
 
 class ApiKey(Strict):

@@ -7,11 +7,10 @@ import asyncio
 import signal
 import sys
 
-from aiohttp import web
-
 from gateway.app import build_app
 from gateway.auth import hash_key, new_key
 from gateway.config import parse_config
+from gateway.front import start_serving
 from gateway.sim.runner import SimOptions, start_sim
 
 MODEL = "qwen3-30b"
@@ -67,7 +66,7 @@ Press Ctrl-C to stop.
 async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
                    stop: asyncio.Event | None = None) -> None:
     sims = {}
-    runner = None
+    front = None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -78,9 +77,7 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
                                                    served_model_names=extra))
         key = new_key()
         cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port))
-        runner = web.AppRunner(build_app(cfg), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        front = await start_serving(build_app(cfg), host, port)
         print(banner(f"http://{host}:{port}", key), flush=True)
         if ready is not None:
             ready.set()
@@ -88,8 +85,8 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if runner is not None:
-            await runner.cleanup()
+        if front is not None:
+            await front.close(timeout=5.0)
         for s in sims.values():
             await s.close()
         print("shapegate demo stopped.", file=sys.stderr)

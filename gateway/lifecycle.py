@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiohttp import web
-
 log = logging.getLogger("shapegate")
 
 # Time the streams cut at the end of the grace period get to write their error event and [DONE]
@@ -23,14 +21,14 @@ def cut_streams(g) -> int:
     return len(tasks)
 
 
-async def shutdown(runner: web.AppRunner, g, grace_s: float) -> None:
-    """The runner must have been made with shutdown_timeout >= grace_s + CUT_MARGIN_S.
+async def shutdown(front, g, grace_s: float) -> None:
+    """Stop a gateway served by gateway.front (its runner made with shutdown_timeout >= grace_s + CUT_MARGIN_S).
 
-    runner.cleanup() closes the listening sockets first (new connections are refused), closes idle
+    front.close() closes the listening socket first (new connections are refused), closes idle
     keep-alive connections, then waits for the requests in flight; /readyz answers 503 from the start.
     """
     g.stopping = True
-    cleanup = asyncio.create_task(runner.cleanup(), name="shutdown")
+    cleanup = asyncio.create_task(front.close(grace_s + CUT_MARGIN_S), name="shutdown")
     done, _ = await asyncio.wait({cleanup}, timeout=grace_s)
     if not done:
         n = cut_streams(g)

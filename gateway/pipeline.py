@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 import orjson
 from aiohttp import web
@@ -63,14 +63,32 @@ class RequestState:
         self.outcome: Outcome | None = None  # the last attempt's
 
 
-async def handle(request: web.Request, st: RequestState, route: str) -> web.StreamResponse:
+class Exchange(Protocol):
+    """One client request as the server that received it hands it over, and the way back to the client.
+
+    Two servers implement it: the gateway's own HTTP/1.1 front (gateway/front.py) and aiohttp (app.py)
+    for what the front hands over. Header names are looked up in lower case.
+    """
+
+    headers: Mapping[str, str]
+    content_length: int | None
+
+    async def read(self) -> bytes: ...
+
+    def reply(self, status: int, headers: dict[str, str], body: bytes) -> Any:
+        """A whole response; the returned object (with .status) is the handler's result."""
+
+    async def open_stream(self, headers: dict[str, str]) -> Any:
+        """Start a 200 event stream: the returned sink has write(data) and write_eof(data) and .status."""
+
+
+async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
     """The request path, one call per stage."""
-    g = request.app[GATEWAY]
     t_in = time.perf_counter()
     principal = st.principal.id
-    raw = await request.read()
+    raw = await ex.read()
     body = parse_body(raw, route)
-    headers = request.headers
+    headers = ex.headers
     sid = session_of(body, headers)
     st.shape = shape = classify(route=route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
@@ -90,14 +108,13 @@ async def handle(request: web.Request, st: RequestState, route: str) -> web.Stre
     decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached))
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
-    return await dispatch(request, st, g, shape, body, raw, decision, t_in)
+    return await dispatch(ex, st, g, shape, body, raw, decision, t_in)
 
 
-async def dispatch(request, st: RequestState, g, shape: RequestShape, body, raw, decision,
-                   t_in: float) -> web.StreamResponse:
+async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body, raw, decision, t_in: float) -> Any:
     """Try the ranked backends in turn; a failure before the first byte moves on, after it never does."""
     cfg = g.cfg
-    headers = request.headers
+    headers = ex.headers
     fwd = {h: headers[h] for h in FORWARDED_HEADERS if h in headers}
     fwd["x-request-id"] = st.request_id
     deadline = time.monotonic() + cfg.routing.retry_deadline_s
@@ -126,7 +143,7 @@ async def dispatch(request, st: RequestState, g, shape: RequestShape, body, raw,
         if failed:
             st.reason = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
         try:
-            resp = await attempt(request, st, g, b, shape, body, call, t_in, first_byte_s)
+            resp = await attempt(ex, st, g, b, shape, body, call, t_in, first_byte_s)
         except Retryable as r:
             last_error = r.error
             failed = [b.id] if failed is None else [*failed, b.id]
@@ -153,8 +170,8 @@ def _another_usable(g, ranked, i: int) -> bool:
     return False
 
 
-async def attempt(request, st: RequestState, g, b, shape: RequestShape, body, call: UpstreamCall,
-                  t_in: float, first_byte_s: float) -> web.StreamResponse:
+async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, body, call: UpstreamCall,
+                  t_in: float, first_byte_s: float) -> Any:
     cfg = g.cfg
     loop_now = time.monotonic
     b.in_flight += 1
@@ -184,7 +201,7 @@ async def attempt(request, st: RequestState, g, b, shape: RequestShape, body, ca
         rename = ModelRewrite(shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(request, st, g, b, reply, meter, rename, body, started, first_by)
+            resp = await stream_reply(ex, st, g, b, reply, meter, rename, body, started, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
@@ -198,7 +215,7 @@ async def attempt(request, st: RequestState, g, b, shape: RequestShape, body, ca
         outcome_ok = True
         if started > b.last_output:
             b.last_output = started
-        return web.Response(body=rename(data), status=status, headers=g.reply_headers(st, reply.headers))
+        return ex.reply(status, g.reply_headers(st, reply.headers), rename(data))
     except Retryable as r:
         status = r.error.status
         raise
@@ -222,8 +239,8 @@ async def attempt(request, st: RequestState, g, b, shape: RequestShape, body, ca
         g.record(b, shape, o, t_in, t0)
 
 
-async def stream_reply(request, st: RequestState, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body,
-                       started: float, first_by: float) -> web.StreamResponse:
+async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body,
+                       started: float, first_by: float) -> Any:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     chunks = reply.iter_chunks().__aiter__()
     try:
@@ -249,11 +266,8 @@ async def stream_reply(request, st: RequestState, g, b, reply, meter: StreamMete
         raise err
     opts = body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-    resp = web.StreamResponse(status=200, headers=g.reply_headers(st, reply.headers))
     # The head goes out with the first events in one write (the first bytes are already here).
-    resp._send_headers_immediately = False
-    resp.content_type = "text/event-stream"
-    await resp.prepare(request)
+    resp = await ex.open_stream(g.reply_headers(st, reply.headers))
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
     g.streams.add(task)

@@ -299,11 +299,18 @@ class AffinityIndex:
                             self.store_errors, e)
 
 
-async def sync_loop(index: AffinityIndex, store: StateStore, interval_s: float) -> None:
-    """Share the affinity index with the other replicas every interval until cancelled."""
-    while True:
-        await asyncio.sleep(interval_s)
-        await index.sync(store)
+async def sync_loop(index: AffinityIndex, store: StateStore, interval_s: float, stop: asyncio.Event) -> None:
+    """Share the affinity index with the other replicas every interval until `stop` is set.
+
+    A flag rather than task.cancel(): a cancellation that lands inside the Redis client's I/O can be
+    absorbed there, and the loop would then never end.
+    """
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        if not stop.is_set():
+            await index.sync(store)
 
 
 @contextlib.asynccontextmanager
@@ -313,12 +320,12 @@ async def shared_state(index: AffinityIndex | None, cfg: StateConfig) -> AsyncIt
         yield None
         return
     store = RedisStore.from_url(cfg.redis_url, cfg.key_prefix, cfg.affinity_ttl_s, cfg.redis_timeout_s)
-    task = asyncio.create_task(sync_loop(index, store, cfg.flush_interval_s), name="state-sync")
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync_loop(index, store, cfg.flush_interval_s, stop), name="state-sync")
     try:
         yield store
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        stop.set()
+        await task  # ends within one store round trip (each bounded by redis_timeout_s)
         await index.sync(store)  # last batch; a store error is logged, never raised
         await store.close()

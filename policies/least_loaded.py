@@ -23,6 +23,8 @@ class LeastLoaded:
 
     def rank(self, inp: RouteInput) -> Decision:
         c = inp.candidates
+        if len(c) == 1:  # nothing to compare (a model on one backend)
+            return Decision(c, f"least_loaded in_flight={c[0].in_flight}")
         # Rotate first so that equal loads spread instead of always landing on the first backend.
         self._turn += 1
         i = self._turn % len(c)

@@ -19,6 +19,8 @@ class RoundRobin:
 
     def rank(self, inp: RouteInput) -> Decision:
         c = inp.candidates
+        if len(c) == 1:
+            return Decision(c, "round_robin")
         i = self._next % len(c)
         self._next += 1
         return Decision(c[i:] + c[:i], "round_robin")

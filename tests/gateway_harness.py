@@ -7,13 +7,12 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.config import parse_config
+from gateway.front import Front, start_serving
 from gateway.pipeline import GATEWAY
-from tests.fake_engine import free_port
 
 USER_KEY = "sk-test-user-key"
 ADMIN_KEY = "sk-test-admin-key"
@@ -34,10 +33,10 @@ def gateway_config(backends: list[dict[str, Any]], **sections: Any) -> dict[str,
 
 
 class RunningGateway:
-    def __init__(self, runner: web.AppRunner, port: int) -> None:
-        self.runner = runner
-        self.port = port
-        self.app = runner.app
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.port = front.port
+        self.app = front.runner.app
 
     @property
     def url(self) -> str:
@@ -48,16 +47,12 @@ class RunningGateway:
         return self.app[GATEWAY]
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        await self.front.close(timeout=5.0)
 
 
 async def start_gateway(cfg: dict[str, Any], wait_ready: bool = True, timeout: float = 10.0) -> RunningGateway:
     app = build_app(parse_config(cfg))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    gw = RunningGateway(runner, port)
+    gw = RunningGateway(await start_serving(app, "127.0.0.1", 0))
     if wait_ready:
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as s:

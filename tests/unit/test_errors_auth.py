@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from multidict import CIMultiDict
 
 from gateway.auth import Authenticator, hash_key, presented_key
 from gateway.config import AuthConfig
@@ -60,13 +61,16 @@ KEYS = AuthConfig(keys=[{"id": "alice", "sha256": hash_key("k-alice")},
 ])
 def test_authenticate(headers, who):
     a = Authenticator(KEYS)
-    if who is None:
-        with pytest.raises(GatewayError) as ei:
-            a.authenticate(headers)
-        assert ei.value.status == 401
-        assert "k-" not in ei.value.message  # a key is never echoed
-    else:
-        assert a.authenticate(headers).id == who
+    # Headers as aiohttp gives them (case-insensitive) and as the front gives them (names in lower case);
+    # twice each, since a key that proved valid is remembered.
+    for hs in (CIMultiDict(headers), {k.lower(): v for k, v in headers.items()}) * 2:
+        if who is None:
+            with pytest.raises(GatewayError) as ei:
+                a.authenticate(hs)
+            assert ei.value.status == 401
+            assert "k-" not in ei.value.message  # a key is never echoed
+        else:
+            assert a.authenticate(hs).id == who
 
 
 def test_admin_and_disabled_auth():
@@ -76,4 +80,4 @@ def test_admin_and_disabled_auth():
         a.require_admin({"x-api-key": "k-alice"})
     assert ei.value.status == 403
     assert Authenticator(AuthConfig(enabled=False)).authenticate({}).id == "anonymous"
-    assert presented_key({"Authorization": "Bearer   "}) is None
+    assert presented_key({"authorization": "Bearer   "}) is None

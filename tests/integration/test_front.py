@@ -1,0 +1,206 @@
+"""The gateway's own HTTP/1.1 front, on the wire: keep-alive, pipelining, 100-continue, split bodies, limits,
+half-close, idle connections, and what it hands to aiohttp (other routes, HTTP/1.0, chunked bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
+
+BODY = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+
+
+def post(body: bytes = BODY, path: str = "/v1/chat/completions", extra: str = "", version: str = "1.1",
+         length: int | None = None) -> bytes:
+    n = len(body) if length is None else length
+    return (f"POST {path} HTTP/{version}\r\nHost: x\r\nAuthorization: Bearer {USER_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {n}\r\n{extra}\r\n").encode() + body
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One response off the wire: Content-Length, chunked, or until the connection closes."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            parts.append(await reader.readexactly(size + 2))
+            if size == 0:
+                break
+        body = b"".join(p[:-2] for p in parts)
+    else:
+        body = await reader.read()
+    return status, headers, body
+
+
+@pytest.fixture
+async def conn(gateway):
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    yield reader, writer
+    writer.close()
+
+
+async def test_keep_alive_and_pipelined_requests_answer_in_order(conn):
+    reader, writer = conn
+    ids = [f"pipelined-{i}" for i in range(3)]
+    writer.write(b"".join(post(extra=f"x-request-id: {i}\r\n") for i in ids))  # three requests in one write
+    for i in ids:
+        status, headers, body = await read_response(reader)
+        assert status == 200 and headers["x-request-id"] == i
+        assert orjson.loads(body)["model"] == "m2"
+        assert "connection" not in headers  # still open
+    writer.write(post())
+    assert (await read_response(reader))[0] == 200
+
+
+async def test_body_split_across_packets_and_expect_continue(conn):
+    reader, writer = conn
+    writer.write(post(extra="Expect: 100-continue\r\n")[:-len(BODY)])
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert interim.startswith(b"HTTP/1.1 100")
+    for i in range(0, len(BODY), 7):  # the body in small pieces
+        writer.write(BODY[i:i + 7])
+        await writer.drain()
+        await asyncio.sleep(0.005)
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["choices"]
+
+
+async def test_query_string_and_connection_close(conn):
+    reader, writer = conn
+    writer.write(post(path="/v1/chat/completions?trace=1", extra="Connection: close\r\n"))
+    status, headers, _ = await read_response(reader)
+    assert status == 200 and headers.get("connection") == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # the gateway closed it
+
+
+async def test_too_large_body_is_refused_unread_and_the_connection_ends(gateway, conn):
+    reader, writer = conn
+    limit = gateway.state.cfg.server.max_body_bytes
+    writer.write(post(b"{", length=limit + 1))  # announces more than the limit, sends one byte
+    status, headers, body = await read_response(reader)
+    assert status == 413 and orjson.loads(body)["error"]["code"] == "request_too_large"
+    assert headers.get("connection") == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+
+
+async def test_refused_request_with_its_whole_body_keeps_the_connection(conn):
+    reader, writer = conn
+    bad = post().replace(f"Bearer {USER_KEY}".encode(), b"Bearer sk-wrong")
+    writer.write(bad + post())  # a 401 whose body was sent, then a good request on the same connection
+    status, headers, body = await read_response(reader)
+    assert status == 401 and orjson.loads(body)["error"]["type"] == "authentication_error"
+    assert "connection" not in headers
+    assert (await read_response(reader))[0] == 200
+
+
+async def test_half_closed_client_still_gets_its_answer(conn):
+    reader, writer = conn
+    writer.write(post())
+    writer.write_eof()
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["choices"]
+
+
+async def test_stream_is_chunked_and_ends_with_done(conn):
+    reader, writer = conn
+    body = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "stream": True})
+    writer.write(post(body))
+    status, headers, data = await read_response(reader)
+    assert status == 200 and headers["content-type"] == "text/event-stream"
+    events = [e for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) >= 5
+    writer.write(post())  # the connection is reusable after a stream
+    assert (await read_response(reader))[0] == 200
+
+
+@pytest.mark.parametrize("request_bytes,expected", [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + USER_KEY.encode() + b"\r\n\r\n", 200),
+    (b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n", 200),
+    (b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 404),
+    (b"BROKEN\r\n\r\n", 400),
+])
+async def test_other_requests_are_served_by_aiohttp_on_the_same_connection(conn, request_bytes, expected):
+    reader, writer = conn
+    writer.write(request_bytes)
+    status, _, body = await read_response(reader)
+    assert status == expected
+    if status in (404, 405):
+        assert orjson.loads(body)["error"]["code"] in ("not_found", "method_not_allowed")
+    if status != 400:  # after a hand-over, API requests on that connection still work
+        writer.write(post())
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["model"] == "m2"
+
+
+async def test_http10_and_chunked_request_bodies_are_served(conn, gateway):
+    reader, writer = conn
+    writer.write(post(version="1.0"))
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["model"] == "m2"
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    chunked = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {USER_KEY}\r\n"
+               f"Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    writer.write(chunked)
+    status, _, body = await read_response(reader)
+    assert status == 200 and orjson.loads(body)["model"] == "m2"
+    writer.close()
+
+
+async def test_idle_connections_are_closed_after_keepalive(engines):
+    cfg = gateway_config([{"id": "e", "engine": "vllm", "url": engines[0].url, "models": ["m2"]}],
+                         server={"access_log": False, "keepalive_s": 0.3})
+    gw = await start_gateway(cfg)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(post())
+        assert (await read_response(reader))[0] == 200
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed once idle for 0.3 s
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(post()[:20])  # a head that never completes
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    finally:
+        await gw.stop()
+
+
+async def test_mangled_requests_never_break_the_server(gateway):
+    """Random damage to a valid request: every connection gets an answer or a close, and the server
+    keeps serving."""
+    rng = random.Random(7)
+    good = post()
+    for _ in range(150):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            i = rng.randrange(len(data))
+            op = rng.random()
+            if op < 0.4:
+                data[i] = rng.choice(b"\r\n :\x00\xb2\xff0123456789abcXYZ")
+            elif op < 0.7:
+                del data[i:i + rng.randint(1, 8)]
+            else:
+                data[i:i] = rng.choice([b"\r\n", b"Content-Length: 99999999999\r\n", b"\xb2", b" ", b":", b"\r\n\r\n"])
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+        writer.write(bytes(data))
+        writer.write_eof()
+        try:
+            reply = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        assert reply == b"" or reply.startswith(b"HTTP/1.")
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(post())
+    assert (await read_response(reader))[0] == 200
+    writer.close()
