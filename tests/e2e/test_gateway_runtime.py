@@ -215,12 +215,19 @@ async def test_mixed_portfolio(portfolio: dict[str, str] | None) -> None:
             results = []
             for batch in range(3):  # pairs in parallel, so each engine sees both idle and shared time
                 results += await asyncio.gather(*(_portfolio_stream(http, gw.url, 2 * batch + k) for k in range(2)))
-            report = await stats(http, gw.url)
+            served = [b for b, _ in results]
+            # A stream is recorded once the engine's response has ended, which can be a moment after
+            # the client read [DONE].
+            for _ in range(40):
+                report = await stats(http, gw.url)
+                if {r["id"]: r["overall"]["requests"] for r in report["backends"]} == {
+                        b: served.count(b) for b in set(served)}:
+                    break
+                await asyncio.sleep(0.05)
     finally:
         await gw.stop()
         for s in sims:
             await s.close()
-    served = [b for b, _ in results]
     assert set(served) == {f"llamacpp-{flavour}", f"vllm-{flavour}"}, served
     for backend_id, s in results:
         assert s.done and not s.other, backend_id
