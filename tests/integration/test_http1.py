@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -49,6 +50,42 @@ async def test_content_length_chunked_and_keepalive_reuse():
         p.close()
     finally:
         await e.stop()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_chunked_body_split_anywhere_decodes_exactly(seed):
+    """Many chunks (one with an extension, then trailers), written in random pieces: the body comes out
+    whole, and the connection stays reusable."""
+    rng = random.Random(seed)
+    parts = [bytes(rng.randrange(256) for _ in range(rng.randint(1, 300))) for _ in range(60)]
+    wire = b"".join(b"%x%s\r\n%s\r\n" % (len(c), b";ext=1" if i == 7 else b"", c) for i, c in enumerate(parts))
+    wire += b"0\r\nX-Trailer: yes\r\n\r\n"
+
+    async def handler(reader, writer):
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            i = 0
+            while i < len(wire):
+                n = rng.choice([1, 2, 3, 5, 64, 700, 4096])
+                writer.write(wire[i:i + n])
+                await writer.drain()
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0)
+                i += n
+        writer.close()
+
+    server, url = await raw_server(handler)
+    p = pool(url)
+    try:
+        for _ in range(2):
+            r = await p.request("POST", "/x", {}, b"{}", 5)
+            assert b"".join([c async for c in r.iter_chunks()]) == b"".join(parts)
+            r.close()
+        assert p.idle and p.idle[0].used == 2
+    finally:
+        p.close()
+        server.close()
 
 
 async def test_stale_keepalive_connection_is_retried_on_a_fresh_one():
