@@ -210,12 +210,12 @@ class FrontConnection(asyncio.Protocol):
             return None
         headers: dict[str, str] = {}
         if first < end:
-            for line in buf[first + 2:end].split(b"\r\n"):
-                k, sep, v = line.partition(b":")
-                if not sep or not k or k[-1:] in b" \t":
+            for line in buf[first + 2:end].decode("latin-1").split("\r\n"):
+                k, sep, v = line.partition(":")
+                if not sep or not k or k[-1] in " \t":
                     return None
-                name = k.decode("latin-1").lower()
-                value = v.strip().decode("latin-1")
+                name = k.lower()
+                value = v.strip(" \t")
                 if name in headers:
                     if name == "content-length":
                         return None
