@@ -130,7 +130,6 @@ class FrontConnection(asyncio.Protocol):
         self.write_paused = False
         self.read_paused = False
         self.closed = False
-        self.eof = False
         self.idle_since = 0.0
 
     # -- transport events ------------------------------------------------------------------------
@@ -153,11 +152,10 @@ class FrontConnection(asyncio.Protocol):
                 w.set_exception(gone)
 
     def eof_received(self) -> bool:
-        self.eof = True
-        w = self.body_waiter
-        if w is not None and not w.done():  # the body will never be complete
-            w.set_exception(ConnectionResetError("the client stopped sending before the body was complete"))
-        return self.ex is not None  # a client that half-closed after its request still gets the answer
+        # The client closed its side: taken as the client leaving (aiohttp does the same). The transport
+        # closes, connection_lost cancels the request, and a stream it left stops on the engine now
+        # rather than after the next writes bounce.
+        return False
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -273,7 +271,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _finish(self, ex: FrontExchange) -> None:
         self.ex = self.task = None
-        if not ex.done or not ex.keep_alive or not ex.consumed or self.eof or self.front.closing:
+        if not ex.done or not ex.keep_alive or not ex.consumed or self.front.closing:
             self._close()
             return
         self.idle_since = self.loop.time()

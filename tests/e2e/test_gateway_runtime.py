@@ -28,6 +28,7 @@ LONG = {"llamacpp": 1800, "vllm": 4000}
 # vLLM's worker spins on one core and its API server shares the other with everything else: while
 # it streams, its /metrics (and its stream) can go unanswered for seconds, so waits on it are long
 PATIENCE_S = {"llamacpp": 2.0, "vllm": 30.0}
+STALLED_S = 3.0  # a client that waited this long for three tokens met an engine stall, not the gateway
 HOLD_S = {"llamacpp": 2.0, "vllm": 10.0}  # one try at seeing a held load
 SIM_WARMUP_S = 0.5
 
@@ -43,28 +44,41 @@ def _long_body(engine: str) -> dict[str, Any]:
 async def test_client_disconnect_frees_the_engine(target: Target) -> None:
     """A client that leaves mid-stream stops the generation on the engine, not only in the gateway."""
     engine, url, limit = target.engine, target.engine_url, LONG[target.engine]
+    stalls = []
     async with target.client() as client, wire.new_session() as http:
-        await wire.wait_quiet(http, url, target.quirks.running_gauge)
-        before = await engine_generated(http, engine, url)
-        stream = await client.chat.completions.create(model=PUBLIC_MODEL, messages=[{"role": "user", "content": "Go."}],
-                                                      max_tokens=limit, stream=True, extra_body={"ignore_eos": True})
-        seen = 0
-        async for chunk in stream:
-            seen += bool(chunk.choices and chunk.choices[0].delta.content)
-            if seen >= 3:
+        for _ in range(4):
+            await wire.wait_quiet(http, url, target.quirks.running_gauge)
+            before = await engine_generated(http, engine, url)
+            sent = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model=PUBLIC_MODEL, messages=[{"role": "user", "content": "Go."}], max_tokens=limit, stream=True,
+                extra_body={"ignore_eos": True})
+            seen = 0
+            async for chunk in stream:
+                seen += bool(chunk.choices and chunk.choices[0].delta.content)
+                if seen >= 3:
+                    break
+            await stream.close()
+            waited = time.perf_counter() - sent
+
+            async def idle() -> bool:
+                return await engine_running(http, engine, url) == 0
+
+            # llama.cpp frees the slot within ~10 ms of the gateway dropping its upstream connection,
+            # vLLM within ~0.15 s (as far as its stalling /metrics lets anyone see)
+            await wait_for(idle, timeout=PATIENCE_S[engine])
+            generated = await engine_generated(http, engine, url) - before
+            # On 2 cores vLLM's API server sometimes sends nothing for ~11 s while its engine core generates
+            # the whole request (seen with and without the gateway's own server in front): the client then
+            # leaves only after the end, and the attempt says nothing about disconnects. Those go again.
+            if waited < STALLED_S:
                 break
-        await stream.close()
-
-        async def idle() -> bool:
-            return await engine_running(http, engine, url) == 0
-
-        # llama.cpp frees the slot within ~10 ms of the gateway dropping its upstream connection,
-        # vLLM within ~0.15 s (as far as its stalling /metrics lets anyone see)
-        await wait_for(idle, timeout=PATIENCE_S[engine])
-        generated = await engine_generated(http, engine, url) - before
+            stalls.append(round(waited, 1))
+        else:
+            pytest.fail(f"the engine stalled its stream on every attempt (first tokens after {stalls} s)")
     # ignore_eos: a generation nobody stopped runs to the limit. How far short it stops depends on how
     # quickly the engine notices, which a loaded 2-core machine can slow down.
-    assert 3 <= generated < limit, f"{generated} of {limit} tokens generated"
+    assert 3 <= generated < limit, f"{generated} of {limit} tokens generated (stalled attempts: {stalls})"
     assert target.gateway.state.pool.get(target.name).in_flight == 0
 
 

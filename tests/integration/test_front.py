@@ -9,6 +9,7 @@ import random
 import orjson
 import pytest
 
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 
 BODY = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
@@ -103,12 +104,28 @@ async def test_refused_request_with_its_whole_body_keeps_the_connection(conn):
     assert (await read_response(reader))[0] == 200
 
 
-async def test_half_closed_client_still_gets_its_answer(conn):
-    reader, writer = conn
-    writer.write(post())
-    writer.write_eof()
-    status, _, body = await read_response(reader)
-    assert status == 200 and orjson.loads(body)["choices"]
+async def test_a_client_that_closes_its_side_has_left():
+    """End of input from the client ends its request, like a disconnect (as aiohttp treats it): the
+    engine's request is aborted at once, not after later writes bounce."""
+    slow = await FakeEngine(Knobs(chunk_delay=0.05, stream_chunks=200)).start()
+    gw = await start_gateway(gateway_config([{"id": "s", "engine": "vllm", "url": slow.url, "models": ["m2"]}]))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        body = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                             "stream": True})
+        writer.write(post(body))
+        await asyncio.wait_for(reader.readuntil(b"data: "), 5)  # the stream has started
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 5)  # the gateway closes the connection
+        writer.close()
+        for _ in range(100):
+            if slow.knobs.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert slow.knobs.aborted == 1 and gw.state.pool.get("s").in_flight == 0
+    finally:
+        await gw.stop()
+        await slow.stop()
 
 
 async def test_stream_is_chunked_and_ends_with_done(conn):
