@@ -8,7 +8,6 @@ import socket
 import time
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any
 
 import orjson
 from aiohttp import web

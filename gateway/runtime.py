@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 import backends
 import policies
