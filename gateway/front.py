@@ -120,7 +120,7 @@ class FrontConnection(asyncio.Protocol):
         self.front = front
         self.loop = front.loop
         self.transport: asyncio.Transport | None = None
-        self.buf = b""
+        self.buf = bytearray()  # grows in place: a large body arrives in many reads
         self.ex: FrontExchange | None = None  # the request in progress
         self.task: asyncio.Task | None = None
         self.need = 0  # buffered bytes a waiting body read needs
@@ -166,13 +166,14 @@ class FrontConnection(asyncio.Protocol):
             w.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self.buf = self.buf + data if self.buf else data
+        self.buf += data
         if self.ex is None:
             self._next_request()
         elif self.body_waiter is not None:
             if len(self.buf) >= self.need and not self.body_waiter.done():
                 self.body_waiter.set_result(None)
-        elif len(self.buf) > PIPELINED_HIGH and not self.read_paused:
+        elif self.ex.consumed and len(self.buf) > PIPELINED_HIGH and not self.read_paused:
+            # Only requests pipelined behind this one wait in the buffer: bounded, and read again later.
             self.read_paused = True
             self.transport.pause_reading()
 
@@ -188,7 +189,7 @@ class FrontConnection(asyncio.Protocol):
         if ex is None:
             self._hand_over()
             return
-        self.buf = buf[end + 4:]
+        del buf[:end + 4]
         self.ex = ex
         self.task = self.loop.create_task(self._serve(ex))
 
@@ -200,7 +201,7 @@ class FrontConnection(asyncio.Protocol):
         parts = buf[:first].split(b" ")
         if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
             return None
-        target = parts[1]
+        target = bytes(parts[1])
         q = target.find(b"?")
         route = API_ROUTES.get(target if q < 0 else target[:q])
         if route is None:
@@ -241,7 +242,8 @@ class FrontConnection(asyncio.Protocol):
                 await self.body_waiter
             finally:
                 self.body_waiter = None
-        body, self.buf = self.buf[:n], self.buf[n:]
+        body = bytes(self.buf[:n])
+        del self.buf[:n]
         ex.consumed = True
         return body
 
@@ -250,7 +252,7 @@ class FrontConnection(asyncio.Protocol):
         connection ends after the answer rather than read a body nobody wants)."""
         n = ex.content_length or 0
         if len(self.buf) >= n:
-            self.buf = self.buf[n:]
+            del self.buf[:n]
             ex.consumed = True
 
     async def _serve(self, ex: FrontExchange) -> None:
@@ -287,7 +289,8 @@ class FrontConnection(asyncio.Protocol):
         transport = self.transport
         transport.set_protocol(handler)
         handler.connection_made(transport)
-        data, self.buf = self.buf, b""
+        data = bytes(self.buf)
+        self.buf.clear()
         if data:
             handler.data_received(data)
 

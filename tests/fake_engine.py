@@ -122,7 +122,7 @@ async def _health(request: web.Request) -> web.Response:
 
 
 def make_app(knobs: Knobs | None = None) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=16 * 1024 * 1024)  # bodies up to the gateway's own limit and beyond
     app[KNOBS] = knobs or Knobs()
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)

@@ -76,6 +76,18 @@ async def test_body_split_across_packets_and_expect_continue(conn):
     assert status == 200 and orjson.loads(body)["choices"]
 
 
+async def test_large_body_in_one_burst_then_a_pipelined_request(conn):
+    """A body of several MB written at once (more than is ever buffered for pipelined requests) is read
+    whole, and the request behind it on the same connection is served next."""
+    reader, writer = conn
+    big = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "x" * 3_000_000}],
+                        "max_tokens": 2})
+    writer.write(post(big) + post())
+    for _ in range(2):
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["model"] == "m2"
+
+
 async def test_query_string_and_connection_close(conn):
     reader, writer = conn
     writer.write(post(path="/v1/chat/completions?trace=1", extra="Connection: close\r\n"))
