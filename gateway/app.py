@@ -26,15 +26,24 @@ from gateway.state import shared_state
 
 log = logging.getLogger("shapegate")
 
+def _error_headers(err: GatewayError, request_id: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "x-request-id": request_id, **err.headers}
+
+
 def _error_response(err: GatewayError, request_id: str) -> web.Response:
-    headers = {"x-request-id": request_id, **err.headers}
-    return web.Response(body=err.body(), status=err.status, content_type="application/json", headers=headers)
+    return web.Response(body=err.body(), status=err.status, headers=_error_headers(err, request_id))
 
 
 def _too_large(g: Gateway, length: int | None = None) -> GatewayError:
     size = f" ({length} bytes)" if length is not None else ""
     return GatewayError(413, f"The request body{size} exceeds the limit of {g.cfg.server.max_body_bytes} bytes.",
                         code="request_too_large")
+
+
+def _check_length(g: Gateway, length: int | None) -> None:
+    """Refuse a body over the limit before reading it: it is never buffered."""
+    if length is not None and length > g.cfg.server.max_body_bytes:
+        raise _too_large(g, length)
 
 
 async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
@@ -46,22 +55,17 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
     status = 500
     try:
         st.principal = g.auth.authenticate(headers)
-        length = ex.content_length
-        if length is not None and length > g.cfg.server.max_body_bytes:
-            raise _too_large(g, length)  # refused before reading: the body is never buffered
+        _check_length(g, ex.content_length)
         resp = await pipeline.handle(g, ex, st, route)
         status = resp.status
         return resp
-    except GatewayError as e:
-        status = e.status
+    except (GatewayError, web.HTTPRequestEntityTooLarge) as e:
+        # (aiohttp raises the latter when a chunked body grows past the limit while being read)
+        err = e if isinstance(e, GatewayError) else _too_large(g)
+        status = err.status
         if status in (503, 429):
             g.metrics.reject(status)
-        return ex.reply(status, {"Content-Type": "application/json", "x-request-id": st.request_id, **e.headers},
-                        e.body())
-    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit while being read
-        status = 413
-        return ex.reply(413, {"Content-Type": "application/json", "x-request-id": st.request_id},
-                        _too_large(g).body())
+        return ex.reply(status, _error_headers(err, st.request_id), err.body())
     except asyncio.CancelledError:
         status = 499  # the client went away first
         raise
@@ -114,9 +118,7 @@ def guarded(handler, *, key: bool = True):
         try:
             if key:
                 g.auth.authenticate(request.headers)
-            length = request.content_length
-            if length is not None and length > g.cfg.server.max_body_bytes:
-                raise _too_large(g, length)
+            _check_length(g, request.content_length)
             resp = await handler(request)
         except GatewayError as e:
             return _error_response(e, rid)
