@@ -66,8 +66,8 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         if status in (503, 429):
             g.metrics.reject(status)
         return ex.reply(status, _error_headers(err, st.request_id), err.body())
-    except asyncio.CancelledError:
-        status = 499  # the client went away first
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away first (noticed while waiting, or on writing to it)
         raise
     finally:
         g.log_request(st, status)

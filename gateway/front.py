@@ -109,8 +109,10 @@ class FrontStream:
             await self.ex.conn.send(self._frame(data, False))
 
     async def write_eof(self, data: bytes = b"") -> None:
-        await self.ex.conn.send(self._frame(data, True))
+        if self.ex.done:
+            return  # the body has ended already (as aiohttp's write_eof, a second call does nothing)
         self.ex.done = True
+        await self.ex.conn.send(self._frame(data, True))
 
 
 class FrontConnection(asyncio.Protocol):

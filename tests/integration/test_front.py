@@ -233,3 +233,55 @@ async def test_mangled_requests_never_break_the_server(gateway):
     writer.write(post())
     assert (await read_response(reader))[0] == 200
     writer.close()
+
+
+async def test_engine_breaking_after_done_leaves_one_clean_ending():
+    """The engine sends [DONE], then drops the connection before ending its chunked body: the client's
+    stream still ends exactly once, and its connection stays usable."""
+    event = orjson.dumps({"id": "x", "object": "chat.completion.chunk", "model": "m2",
+                          "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})
+
+    async def engine(reader, writer):
+        try:
+            await serve(reader, writer)
+        finally:
+            writer.close()
+
+    async def serve(reader, writer):
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            if head.startswith(b"GET"):  # health and load probes
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                continue
+            n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+            body = orjson.loads(await reader.readexactly(n))
+            if body.get("stream"):
+                data = b"data: " + event + b"\n\ndata: [DONE]\n\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+                return  # the connection closes with no terminating chunk
+            reply = orjson.dumps({"id": "y", "object": "chat.completion", "model": "m2", "choices": []})
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(reply), reply))
+            await writer.drain()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    gw = await start_gateway(gateway_config([{"id": "e", "engine": "vllm", "url": url, "models": ["m2"]}]))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        stream = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        writer.write(post(stream))
+        status, _, data = await read_response(reader)
+        assert status == 200 and data.count(b"data: [DONE]") == 1 and data.endswith(b"data: [DONE]\n\n")
+        writer.write(post())
+        status, _, body = await read_response(reader)
+        assert status == 200 and orjson.loads(body)["model"] == "m2"
+        writer.close()
+    finally:
+        await gw.stop()
+        server.close()
