@@ -150,7 +150,7 @@ async def test_vllm_disconnect_aborts_request(vllm_server: EngineHandle) -> None
 
 # Real engines on a shared 2-core machine: a scrape can miss the short window in which the queue
 # exists, so a miss is tried again rather than taken as a verdict (vLLM, whose /metrics stalls while it
-# streams, misses about one try in three here).
+# streams, missed three tries in a row in one full run here).
 @pytest.mark.flaky(reruns=4)
 async def test_queueing_beyond_capacity(engine: EngineHandle) -> None:
     """Four streams on two slots / max-num-seqs 2: the extra two wait silently, nobody is rejected."""
