@@ -88,3 +88,13 @@ VLLM = EngineQuirks(
 )
 
 QUIRKS = {q.engine: q for q in (LLAMACPP, VLLM)}
+
+
+def check_connection_after_reply(q: EngineQuirks, head: bytes, closed: bool, stream: bool) -> None:
+    """What an engine does with the connection after a 200 reply: llama-server closes it after a stream
+    although its head says Keep-Alive; the others keep it. The real engines and the simulator are held
+    to the same check."""
+    assert head.startswith(b"HTTP/1.1 200")
+    assert closed == (stream and q.closes_connection_after_stream)
+    if closed:
+        assert b"keep-alive: timeout=" in head.lower() and b"connection: close" not in head.lower()

@@ -7,7 +7,7 @@ import pytest
 
 from tests.e2e import wire
 from tests.e2e.engines import EngineHandle, Probe, start_llama_server
-from tests.e2e.quirks import QUIRKS
+from tests.e2e.quirks import QUIRKS, check_connection_after_reply
 
 pytestmark = pytest.mark.e2e
 
@@ -237,7 +237,4 @@ async def test_keep_alive_after_response(engine: EngineHandle, stream: bool) -> 
     a pooled client connection reused at once fails on its next write."""
     q = QUIRKS[engine.engine]
     head, closed = await wire.raw_exchange(engine.port, wire.chat_body(engine.model, stream=stream))
-    assert head.startswith(b"HTTP/1.1 200")
-    assert closed == (stream and q.closes_connection_after_stream)
-    if closed:
-        assert b"keep-alive: timeout=" in head.lower() and b"connection: close" not in head.lower()
+    check_connection_after_reply(q, head, closed, stream)

@@ -11,7 +11,7 @@ import pytest
 from gateway.sim.runner import SimServer, start_sim
 from tests.e2e import wire
 from tests.e2e.engines import free_port
-from tests.e2e.quirks import QUIRKS
+from tests.e2e.quirks import QUIRKS, check_connection_after_reply
 from tests.e2e.targets import sim_options
 from tests.e2e.test_engines_runtime import LLAMA_FAMILIES, VLLM_REQUIRED
 
@@ -176,7 +176,4 @@ async def test_connection_after_reply(sim: SimServer, stream: bool) -> None:
     """llama-server closes the connection after a streamed reply, although its headers say Keep-Alive."""
     q = QUIRKS[sim.engine]
     head, closed = await wire.raw_exchange(sim.port, wire.chat_body(sim.model, stream=stream))
-    assert head.startswith(b"HTTP/1.1 200")
-    assert closed == (stream and q.closes_connection_after_stream)
-    if closed:
-        assert b"keep-alive: timeout=" in head.lower() and b"connection: close" not in head.lower()
+    check_connection_after_reply(q, head, closed, stream)
