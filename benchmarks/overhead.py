@@ -1,4 +1,4 @@
-"""What the gateway adds: the same wrk load against an engine directly and through the gateway, in one run."""
+"""What the gateway adds: the same wrk load direct to an engine, through the gateway (and a baseline's), in one run."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import urllib.request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead_report import markdown, med_spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -95,83 +98,120 @@ models = ["bench"]
     return path
 
 
-def start_stack(tmp: Path, stats: bool) -> tuple[list[subprocess.Popen], dict]:
-    engine_port, gw_port = free_port(), free_port()
-    engine = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
-                               str(engine_port)])
-    cfg = write_gateway_config(tmp / "bench.toml", f"http://127.0.0.1:{engine_port}", access_log=stats, stats=True)
-    gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
-                           str(gw_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    floor_port = free_port()
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
+
+
+def export_revision(ref: str, dest: Path) -> str:
+    """The tree of `ref` in dest, by git archive (it leaves no worktree behind in the repository); its short hash."""
+    rev = git("rev-parse", "--short", f"{ref}^{{commit}}")
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    return rev
+
+
+# `python -m gateway.cli`, less the editable install's finder: it sits last on sys.meta_path and would hand a
+# baseline the work tree's copy of any module the baseline lacks (an optional `try: import` is enough).
+LAUNCH = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '')"
+          ".startswith('__editable__')]; runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)")
+
+
+def start_gateway(src: Path, cfg: Path, log: Path, procs: list) -> tuple[str, int]:
+    """A gateway that imports only from the source tree src (PYTHONPATH), started the same way for either tree."""
+    port = free_port()
+    with log.open("wb") as err:
+        gw = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--config", str(cfg), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=err, cwd=src,
+                              env={**os.environ, "PYTHONPATH": str(src)})
+    procs.append(gw)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/readyz")
+    except TimeoutError:
+        raise SystemExit(f"the gateway from {src} did not get ready (exit code {gw.poll()}):\n"
+                         f"{log.read_text()[-3000:]}") from None
+    return f"http://127.0.0.1:{port}", gw.pid
+
+
+def start_stack(tmp: Path, baseline: Path | None, procs: list) -> dict:
+    """Engine, one gateway per source tree (same config file) and the floor proxy; target -> (url, pid)."""
+    engine_port, floor_port = free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
+                                   str(engine_port)]))
+    wait_http(engine + "/health")
+    cfg = write_gateway_config(tmp / "bench.toml", engine, access_log=True, stats=True)
+    targets = {"direct": (engine, None)}
+    for name, src in ({"before": baseline, "after": ROOT} if baseline else {"gateway": ROOT}).items():
+        targets[name] = start_gateway(src, cfg, tmp / f"{name}.log", procs)
     floor = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), "--port", str(floor_port),
-                              "--upstream", f"http://127.0.0.1:{engine_port}"], stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{engine_port}/health")
-    wait_http(f"http://127.0.0.1:{gw_port}/readyz")
+                              "--upstream", engine], stderr=subprocess.DEVNULL)
+    procs.append(floor)
     wait_http(f"http://127.0.0.1:{floor_port}/readyz")
-    targets = {"direct": (f"http://127.0.0.1:{engine_port}", None), "gateway": (f"http://127.0.0.1:{gw_port}", gw.pid),
-               "floor": (f"http://127.0.0.1:{floor_port}", floor.pid)}
-    return [engine, gw, floor], targets
+    targets["floor"] = (f"http://127.0.0.1:{floor_port}", floor.pid)
+    return targets
+
+
+def drive(args, targets: dict, script: str) -> list[dict]:
+    """Each (kind, conc, repeat) drives all targets in turn; the gateways' order rotates between repeats, so
+    neither always runs first (right after direct, on a machine in the same state)."""
+    proxies = [t for t in targets if t != "direct"]
+    for t in proxies:  # the first requests pay for imports, connections and caches: warm each proxy first
+        for kind in args.kinds:
+            run_wrk(targets[t][0] + "/v1/chat/completions", BODIES[kind], 4, 1.0, script)
+    gateways = [t for t in proxies if t != "floor"]
+    points = []
+    for kind in args.kinds:
+        for conc in args.concurrency:
+            for rep in range(args.repeats):
+                turn = rep % len(gateways)
+                for pos, target in enumerate(["direct", *gateways[turn:], *gateways[:turn], "floor"]):
+                    base, pid = targets[target]
+                    c0 = cpu_seconds(pid) if pid else 0.0
+                    r = run_wrk(base + "/v1/chat/completions", BODIES[kind], conc, args.seconds, script)
+                    cpu = (cpu_seconds(pid) - c0) if pid else 0.0
+                    r.update(kind=kind, conc=conc, rep=rep, target=target, position=pos,
+                             rps=r["requests"] / (r["duration_us"] / 1e6),
+                             cpu_per_req_us=(cpu / r["requests"] * 1e6) if pid else None)
+                    points.append(r)
+                    print(json.dumps(r), flush=True)
+    return points
+
+
+def conditions(args) -> dict:
+    """What the run depends on, taken before it starts (the run itself writes into the tree)."""
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "head": git("rev-parse", "--short", "HEAD"),
+            "dirty_paths": len(git("status", "--porcelain").splitlines()),
+            "dirty_gateway_paths": len(git("status", "--porcelain", "--", "gateway", "backends",
+                                           "policies").splitlines()),
+            "baseline_ref": args.baseline, "baseline_rev": None, "cpus": os.cpu_count(),
+            "loadavg_before": os.getloadavg(), "seconds": args.seconds, "repeats": args.repeats,
+            "concurrency": args.concurrency, "kinds": args.kinds, "python": sys.version.split()[0],
+            "wrk": " ".join((wrk.stdout + wrk.stderr).split()[:2]), "engine": "benchmarks/fast_engine.py",
+            "stream_chunks": 200, "warmup": "1 s of wrk per kind at c=4 per proxy"}
 
 
 def measure(args) -> dict:
-    results: dict = {"conditions": {}, "points": []}
+    results: dict = {"conditions": conditions(args), "points": []}
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         script = tmp / "post.lua"
         script.write_text(WRK_SCRIPT)
-        procs, targets = start_stack(tmp, stats=True)
         try:
-            for kind in args.kinds:
-                for conc in args.concurrency:
-                    for rep in range(args.repeats):
-                        for target, (base, pid) in targets.items():
-                            url = base + "/v1/chat/completions"
-                            c0 = cpu_seconds(pid) if pid else 0.0
-                            r = run_wrk(url, BODIES[kind], conc, args.seconds, str(script))
-                            cpu = (cpu_seconds(pid) - c0) if pid else 0.0
-                            r.update(kind=kind, conc=conc, rep=rep, target=target,
-                                     rps=r["requests"] / (r["duration_us"] / 1e6),
-                                     gw_cpu_per_req_us=(cpu / r["requests"] * 1e6) if pid else None)
-                            results["points"].append(r)
-                            print(json.dumps(r), flush=True)
+            baseline = None
+            if args.baseline:
+                baseline = tmp / "baseline"
+                results["conditions"]["baseline_rev"] = export_revision(args.baseline, baseline)
+            results["points"] = drive(args, start_stack(tmp, baseline, procs), str(script))
         finally:
             for p in procs:
                 p.terminate()
             for p in procs:
                 p.wait(10)
+    results["conditions"]["loadavg_after"] = os.getloadavg()
     return results
-
-
-def med_spread(values: list[float]) -> tuple[float, float]:
-    m = statistics.median(values)
-    return m, (max(values) - min(values)) / m * 100 if m else 0.0
-
-
-def summarize(results: dict, chunks: int) -> str:
-    pts = results["points"]
-    lines = ["| kind | conc | direct p50 us | gateway p50 us | added p50 us | added p99 us | direct req/s | "
-             "gateway req/s | ratio | gateway CPU/req us | floor CPU/req us | floor req/s | chunks/s via gateway |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(p["kind"], p["conc"]) for p in pts}, key=lambda k: (k[0] != "nonstream", k[1]))
-    for kind, conc in keys:
-        d = [p for p in pts if p["kind"] == kind and p["conc"] == conc and p["target"] == "direct"]
-        g = [p for p in pts if p["kind"] == kind and p["conc"] == conc and p["target"] == "gateway"]
-        dp50, _ = med_spread([p["p50"] for p in d])
-        gp50, gs = med_spread([p["p50"] for p in g])
-        add50, _ = med_spread([gp["p50"] - dp["p50"] for gp, dp in zip(g, d)])
-        add99, _ = med_spread([gp["p99"] - dp["p99"] for gp, dp in zip(g, d)])
-        drps, _ = med_spread([p["rps"] for p in d])
-        grps, grs = med_spread([p["rps"] for p in g])
-        cpu, cs = med_spread([p["gw_cpu_per_req_us"] for p in g])
-        f = [p for p in pts if p["kind"] == kind and p["conc"] == conc and p["target"] == "floor"]
-        fcpu, _ = med_spread([p["gw_cpu_per_req_us"] for p in f]) if f else (0.0, 0.0)
-        frps, _ = med_spread([p["rps"] for p in f]) if f else (0.0, 0.0)
-        events = chunks + 3 if kind == "stream" else 0
-        relayed = f"{grps * events:,.0f}" if kind == "stream" else "-"
-        lines.append(f"| {kind} | {conc} | {dp50:.0f} | {gp50:.0f} (±{gs:.0f}%) | {add50:.0f} | {add99:.0f} | "
-                     f"{drps:,.0f} | {grps:,.0f} (±{grs:.0f}%) | {grps / drps:.2f} | {cpu:.0f} (±{cs:.0f}%) | "
-                     f"{fcpu:.0f} | {frps:,.0f} | {relayed} |")
-    return "\n".join(lines)
 
 
 def stats_gateway(tmp: Path, engine_url: str, stats: bool) -> tuple[subprocess.Popen, str]:
@@ -312,23 +352,20 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--kinds", nargs="+", default=["nonstream", "stream"])
     p.add_argument("--out", default=str(RESULTS / "overhead"))
+    p.add_argument("--baseline", metavar="REF", help="a git revision whose gateway runs beside the work tree's "
+                   "(before / after); bc28cc9 or later, older config models lack [stats] enabled")
     p.add_argument("--stats-compare", action="store_true",
                    help="stats upkeep on vs off, side by side; writes results/stats_overhead.{md,json}")
     args = p.parse_args()
     if args.stats_compare:
         return write_stats_compare(args)
     results = measure(args)
-    results["conditions"] = {"seconds": args.seconds, "repeats": args.repeats, "cpus": os.cpu_count(),
-                             "load": "wrk on the same machine", "engine": "benchmarks/fast_engine.py",
-                             "stream_chunks": 200, "date": time.strftime("%Y-%m-%d %H:%M")}
-    table = summarize(results, 200)
-    print(table)
+    report = markdown(results)
+    print(report)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(f"# Gateway overhead\n\nMedians of {args.repeats} runs of {args.seconds:g} s "
-                                      f"(spread = (max-min)/median), wrk, gateway and engine on the same "
-                                      f"{os.cpu_count()} cores. Latencies in microseconds.\n\n{table}\n")
+    out.with_suffix(".md").write_text(report)
     return 0
 
 
