@@ -1,4 +1,4 @@
-"""A lean keep-alive HTTP/1.1 client on asyncio protocols: the upstream seam, without a general client's cost."""
+"""A lean keep-alive HTTP/1.1 client on asyncio protocols, replies framed by llhttp: the upstream seam."""
 
 from __future__ import annotations
 
@@ -6,25 +6,37 @@ import asyncio
 import socket
 import ssl as ssl_mod
 from collections import deque
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
-from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
+import httptools
 
-_HEAD, _FIXED, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+from gateway.contracts import (ReplyTooLarge, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
+                               UpstreamProtocolError)
+
 # Pause reading from an engine when this much is buffered for a slow client.
 HIGH_WATER = 256 * 1024
+# An engine's reply head: larger, or with more header lines, is a protocol error.
 MAX_HEAD = 64 * 1024
+MAX_HEADERS = 100
+
+Headers = Mapping[str, str] | Iterable[tuple[str, str]]
 
 
 class Response:
-    """One upstream response; body chunks are handed over as they arrive, in arrival order."""
+    """One upstream response; body chunks are handed over as they arrive, in arrival order.
 
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_waiter", "_done", "_error", "_paused")
+    `headers` has lower-case names (repeated fields joined with ", "); `header_list` keeps every field.
+    """
 
-    def __init__(self, conn: "Connection", status: int, headers: dict[str, str]) -> None:
+    __slots__ = ("status", "headers", "header_list", "_conn", "_chunks", "_buffered", "_waiter", "_done",
+                 "_error", "_paused")
+
+    def __init__(self, conn: "Connection", status: int, headers: dict[str, str],
+                 header_list: list[tuple[str, str]]) -> None:
         self.status = status
         self.headers = headers
+        self.header_list = header_list
         self._conn = conn
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -43,6 +55,8 @@ class Response:
         self._wake()
 
     def _finish(self, error: Exception | None = None) -> None:
+        if self._done:
+            return
         self._done = True
         self._error = error
         self._wake()
@@ -86,13 +100,23 @@ class Response:
                 return
             yield data
 
-    async def read(self) -> bytes:
-        parts = []
+    async def read(self, limit: int, *, truncate: bool = False) -> bytes:
+        """The whole body, up to `limit` bytes. Past it: ReplyTooLarge, or with truncate=True the first
+        `limit` bytes; either way the rest is never read and the connection is dropped."""
+        parts: list[bytes] = []
+        total = 0
         while True:
             data = await self._next()
             if data is None:
-                return b"".join(parts)
+                break
+            total += len(data)
             parts.append(data)
+            if total > limit:
+                self._conn.abandon()
+                if not truncate:
+                    raise ReplyTooLarge(f"the reply is larger than {limit} bytes")
+                return b"".join(parts)[:limit]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
         """Done with the response: a complete one frees the connection, an unfinished one is aborted."""
@@ -100,7 +124,7 @@ class Response:
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection carrying one request at a time."""
+    """One keep-alive connection carrying one request at a time; llhttp (strict) frames each reply."""
 
     def __init__(self, pool: "HostPool") -> None:
         self.pool = pool
@@ -109,168 +133,136 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.used = 0
         self.idle_since = 0.0
-        self._buf = b""
-        self._state = _DONE
-        self._remaining = 0
+        self._parser = httptools.HttpResponseParser(self)
+        self._fields: list[tuple[bytes, bytes]] | None = None  # the reply head being read
+        self._body: list[bytes] = []  # body bytes of the read being parsed
+        self._done_now = False  # the reply ended in the read being parsed
+        self._head_bytes = 0
+        self._interim = False
         self._resp: Response | None = None
         self._head_waiter: asyncio.Future | None = None
+        self._complete = True  # no reply outstanding
+        self._until_close = False
         self._keep_alive = True
-        self._last_data = 0.0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        if self._state == _UNTIL_CLOSE and self._resp is not None:
-            self._state = _DONE
+        if self._complete:
+            return
+        if self._until_close and self._resp is not None:
+            self._complete = True  # a body delimited by the end of the connection has ended
             self._resp._finish()
             return
-        err = UpstreamDisconnected("the engine closed the connection" + (f": {exc}" if exc else ""))
-        if self._head_waiter is not None and not self._head_waiter.done():
-            self._head_waiter.set_exception(err)
-        elif self._resp is not None and self._state != _DONE:
-            self._resp._finish(err)
+        self._fail(UpstreamDisconnected("the engine closed the connection" + (f": {exc}" if exc else "")))
 
-    def send(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> asyncio.Future:
-        self.used += 1
-        self._state = _HEAD
-        self._buf = b""
-        self._resp = None
-        self._head_waiter = fut = self.loop.create_future()
+    def send(self, method: str, path: str, headers: Headers, body: bytes) -> asyncio.Future:
         lines = [f"{method} {path} HTTP/1.1\r\nHost: {self.pool.host_header}\r\nContent-Length: {len(body)}\r\n"]
-        for k, v in headers.items():
-            lines.append(f"{k}: {v}\r\n")
+        lines += [f"{k}: {v}\r\n" for k, v in (headers.items() if isinstance(headers, Mapping) else headers)]
         lines.append("\r\n")
-        self.transport.write("".join(lines).encode("latin-1") + body)
-        self._last_data = self.loop.time()
+        head = "".join(lines).encode("latin-1")
+        # Every CR and LF in the head must be a line end of ours: a value carrying one would start a
+        # header, or a whole request, of its own on the engine's side (one whole-head check, in C).
+        ends = len(lines) + 2
+        if head.count(b"\n") != ends or head.count(b"\r\n") != ends or head.count(b"\r") != ends \
+                or b"\x00" in head:
+            raise ValueError("refusing to send a header field with CR, LF or NUL in it")
+        self.used += 1
+        self._complete = self._until_close = self._interim = False
+        self._fields, self._head_bytes, self._resp = [], 0, None
+        self._head_waiter = fut = self.loop.create_future()
+        self.transport.write(head + body)
         return fut
 
     def data_received(self, data: bytes) -> None:
-        self._last_data = self.loop.time()
-        if self._state == _FIXED:  # the common case: body bytes of a Content-Length response
-            self._fixed(data)
+        if self._complete:
+            self._keep_alive = False  # bytes nobody asked for: this connection is not reused
             return
-        self._buf += data
-        self._parse()
-
-    def _fixed(self, data: bytes) -> None:
-        n = len(data)
-        if n < self._remaining:
-            self._remaining -= n
-            self._resp._feed(data)
-            return
-        self._resp._feed(data[:self._remaining])
-        self._remaining = 0
-        self._state = _DONE
-        self._resp._finish()
-
-    def _parse(self) -> None:
-        """Advance the response state machine over the buffer with an offset (no quadratic re-slicing);
-        all body bytes found in one read go to the consumer as one piece."""
-        buf, pos, out = self._buf, 0, []
-        n = len(buf)
-        while pos < n:
-            st = self._state
-            if st == _CHUNK_DATA:
-                take = min(self._remaining, n - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self._remaining -= take
-                if self._remaining:
-                    break
-                self._state = _CHUNK_CRLF
-            elif st == _CHUNK_CRLF:
-                if n - pos < 2:
-                    break
-                pos += 2
-                self._state = _CHUNK_SIZE
-            elif st == _CHUNK_SIZE:
-                nl = buf.find(b"\r\n", pos)
-                if nl < 0:
-                    break
-                try:
-                    size = int(buf[pos:nl].split(b";", 1)[0], 16)
-                except ValueError:
-                    self._fail(UpstreamDisconnected("bad chunk size from the engine"))
-                    return
-                pos = nl + 2
-                self._remaining = size
-                self._state = _CHUNK_DATA if size else _TRAILER
-            elif st == _HEAD:
-                end = buf.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    if n - pos > MAX_HEAD:
-                        self._fail(UpstreamDisconnected("response head too large"))
-                        return
-                    break
-                head = buf[pos:end].decode("latin-1")
-                pos = end + 4
-                if not self._start_response(head):
-                    return
-            elif st == _FIXED:
-                take = min(self._remaining, n - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self._remaining -= take
-                if not self._remaining:
-                    self._state = _DONE
-            elif st == _TRAILER:
-                end = buf.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                line_empty = end == pos
-                pos = end + 2
-                if line_empty:
-                    self._state = _DONE
-            elif st == _UNTIL_CLOSE:
-                out.append(buf[pos:])
-                pos = n
-            else:  # _DONE: bytes after a complete response are a protocol error; drop the connection later
-                self._keep_alive = False
-                pos = n
-        self._buf = buf[pos:] if pos < n else b""
-        resp = self._resp
-        if resp is not None:
-            if out:
-                resp._feed(out[0] if len(out) == 1 else b"".join(out))
-            if self._state == _DONE and not resp._done:
-                resp._finish()
-
-    def _start_response(self, head: str) -> bool:
-        lines = head.split("\r\n")
-        parts = lines[0].split(" ", 2)
+        error: Exception | None = None
         try:
-            status = int(parts[1])
-        except (IndexError, ValueError):
-            self._fail(UpstreamDisconnected("malformed status line from the engine"))
-            return False
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            error = UpstreamProtocolError("the engine switched protocols")
+        except httptools.HttpParserError as e:
+            cause = e.__context__
+            error = cause if isinstance(cause, UpstreamError) else \
+                UpstreamProtocolError(f"malformed reply from the engine ({e})")
+        # All the body bytes of one read go to the consumer as one piece (a stream's events arrive as
+        # many small chunks; one piece each would cost a wake-up and a client write each).
+        body = self._body
+        resp = self._resp
+        if body:
+            if resp is not None:
+                resp._feed(body[0] if len(body) == 1 else b"".join(body))
+            body.clear()
+        if self._done_now:
+            self._done_now = False
+            if resp is not None:
+                resp._finish()
+            if error is not None:
+                self._keep_alive = False  # bytes after the end of the reply: the reply stands, the connection goes
+            return
+        if error is not None:
+            self._fail(error)
+            return
+        if self._fields is not None:  # still in the head
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self._fail(UpstreamProtocolError("reply head too large"))
+
+    # -- llhttp callbacks ----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise UpstreamProtocolError("bytes after the end of the reply")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        fields = self._fields
+        if fields is None:
+            return  # a trailer field after a chunked body: not used
+        if len(fields) >= MAX_HEADERS:
+            raise UpstreamProtocolError("too many header fields in the reply")
+        fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise UpstreamProtocolError("the engine switched protocols")
+            self._fields, self._interim = [], True  # 100 Continue, 103 Early Hints: the real head follows
+            return
+        if status > 599:
+            raise UpstreamProtocolError(f"reply status {status}")
+        header_list = [(k.decode("latin-1"), v.decode("latin-1").strip(" \t")) for k, v in self._fields]
+        self._fields = None
         headers: dict[str, str] = {}
-        for line in lines[1:]:
-            k, _, v = line.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        if status == 100:  # interim response: the real head follows
-            return True
-        self._keep_alive = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
-        resp = self._resp = Response(self, status, headers)
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
-            self._state = _FIXED if self._remaining else _DONE
-        elif status in (204, 304):
-            self._state = _DONE
-        else:
-            self._state = _UNTIL_CLOSE
-            self._keep_alive = False
+        for k, v in header_list:
+            k = k.lower()
+            headers[k] = f"{headers[k]}, {v}" if k in headers else v
+        te = headers.get("transfer-encoding")
+        if te is not None and te.lower() != "chunked":
+            raise UpstreamProtocolError("unsupported transfer coding in the reply")
+        self._until_close = te is None and "content-length" not in headers and status not in (204, 304)
+        resp = self._resp = Response(self, status, headers, header_list)
         w, self._head_waiter = self._head_waiter, None
         if w is not None and not w.done():
             w.set_result(resp)
-        return True
 
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._complete = self._done_now = True
+        self._keep_alive = self._keep_alive and self._parser.should_keep_alive() and not self._until_close
+
+    # -- ending --------------------------------------------------------------------------------
     def abandon(self) -> None:
         """Stop using this connection mid-exchange: the engine sees it close."""
         self._keep_alive = False
@@ -280,22 +272,22 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, err: Exception) -> None:
         self._keep_alive = False
+        self._complete = True
         if self._head_waiter is not None and not self._head_waiter.done():
             self._head_waiter.set_exception(err)
         elif self._resp is not None:
             self._resp._finish(err)
-        self.transport.abort()
+        self.abandon()
 
     def release(self, resp: Response) -> None:
         if resp is not self._resp:
             return
         self._resp = None
-        if self._state == _DONE and self._keep_alive and not self.closed:
+        if self._complete and resp._error is None and self._keep_alive and not self.closed:
             self.idle_since = self.loop.time()
             self.pool.put_idle(self)
         else:
-            self.closed = True
-            self.transport.abort()  # unfinished: the engine sees the disconnect and aborts the request
+            self.abandon()  # unfinished: the engine sees the disconnect and aborts the request
         self.pool.sem.release()
 
 
@@ -304,17 +296,24 @@ def _expire(head: asyncio.Future) -> None:
         head.set_exception(TimeoutError("no response head in time"))
 
 
+Opener = Callable[[Callable[[], Connection]], Awaitable[Connection]]
+
+
 class HostPool:
-    """Idle keep-alive connections to one backend, bounded in number."""
+    """Idle keep-alive connections to one backend, bounded in number.
+
+    `opener`, when given, makes a connection in place of a TCP connect (the gateway's in-process
+    hop to its own aiohttp routes uses a socket pair).
+    """
 
     def __init__(self, url: str, limit: int, connect_timeout: float, keepalive_s: float,
-                 idle_timeout: float) -> None:
+                 idle_timeout: float, opener: Opener | None = None) -> None:
         u = urlsplit(url)
         self.loop = asyncio.get_running_loop()
         self.scheme = u.scheme
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or (443 if u.scheme == "https" else 80)
-        self.host_header = u.netloc
+        self.host_header = u.netloc.rpartition("@")[2]  # never the URL's credentials
         self.base_path = u.path.rstrip("/")
         self.ssl = ssl_mod.create_default_context() if u.scheme == "https" else None
         self.sem = asyncio.Semaphore(limit)
@@ -322,6 +321,7 @@ class HostPool:
         self.connect_timeout = connect_timeout
         self.keepalive_s = keepalive_s
         self.idle_timeout = idle_timeout
+        self._opener = opener
 
     def put_idle(self, conn: Connection) -> None:
         self.idle.append(conn)
@@ -329,6 +329,8 @@ class HostPool:
     async def _connect(self, deadline: float) -> Connection:
         try:
             async with asyncio.timeout_at(min(deadline, self.loop.time() + self.connect_timeout)):
+                if self._opener is not None:
+                    return await self._opener(lambda: Connection(self))
                 _, conn = await self.loop.create_connection(lambda: Connection(self), self.host, self.port,
                                                             ssl=self.ssl)
         except (OSError, TimeoutError) as e:
@@ -344,8 +346,7 @@ class HostPool:
             conn.transport.abort()
         return None
 
-    async def request(self, method: str, path: str, headers: Mapping[str, str], body: bytes,
-                      timeout: float) -> Response:
+    async def request(self, method: str, path: str, headers: Headers, body: bytes, timeout: float) -> Response:
         """Send a request; returns when the response head arrived. A stale reused connection is retried once.
 
         One deadline covers waiting for a slot, connecting, sending and the response head. The common
@@ -391,4 +392,3 @@ class HostPool:
     def close(self) -> None:
         while self.idle:
             self.idle.pop().transport.abort()
-

@@ -11,6 +11,8 @@ import orjson
 from backends.http1 import HostPool, Response
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
+# A health answer, a /metrics page or a warm-up reply larger than this is an engine fault, not data.
+PROBE_BODY_LIMIT = 16 * 1024 * 1024
 
 
 def parse_gauges(text: str, wanted: Mapping[str, tuple[str, ...]]) -> dict[str, float]:
@@ -112,9 +114,16 @@ class OpenAIHTTPBackend:
             self._pool.close()
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        """A probe or load scrape: the body is read up to PROBE_BODY_LIMIT (a larger one is an error)."""
         t = aiohttp.ClientTimeout(total=timeout)
         async with self._session.get(self.url + path, headers=self._auth, timeout=t) as resp:
-            return resp.status, await resp.read()
+            parts, total = [], 0
+            async for chunk in resp.content.iter_any():
+                total += len(chunk)
+                if total > PROBE_BODY_LIMIT:
+                    raise aiohttp.ClientPayloadError(f"{path} answered with more than {PROBE_BODY_LIMIT} bytes")
+                parts.append(chunk)
+            return resp.status, b"".join(parts)
 
     # -- health and load -----------------------------------------------------------------------
     async def probe(self, timeout: float, deep: bool = True) -> ProbeResult:
@@ -155,9 +164,9 @@ class OpenAIHTTPBackend:
         try:
             reply = await self.forward(UpstreamCall("/v1/chat/completions", body, {}, False), timeout)
             try:
-                await reply.read()
+                await reply.read(PROBE_BODY_LIMIT)
             finally:
                 reply.close()
             return reply.status == 200
-        except (aiohttp.ClientError, UpstreamError, TimeoutError):
+        except (aiohttp.ClientError, UpstreamError, TimeoutError, ValueError):
             return False

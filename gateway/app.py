@@ -18,6 +18,7 @@ from gateway import pipeline
 from gateway.config import GatewayConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
+from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
 from gateway.pipeline import GATEWAY, Exchange, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
@@ -34,34 +35,19 @@ def _error_response(err: GatewayError, request_id: str) -> web.Response:
     return web.Response(body=err.body(), status=err.status, headers=_error_headers(err, request_id))
 
 
-def _too_large(g: Gateway, length: int | None = None) -> GatewayError:
-    size = f" ({length} bytes)" if length is not None else ""
-    return GatewayError(413, f"The request body{size} exceeds the limit of {g.cfg.server.max_body_bytes} bytes.",
-                        code="request_too_large")
-
-
-def _check_length(g: Gateway, length: int | None) -> None:
-    """Refuse a body over the limit before reading it: it is never buffered."""
-    if length is not None and length > g.cfg.server.max_body_bytes:
-        raise _too_large(g, length)
-
-
 async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
-    """An API request, whichever server received it: request id, API key and body limit first, then the
-    pipeline; every error leaves as OpenAI-shaped JSON and the request gets exactly one access-log line
-    however it ends."""
+    """An API request: request id and API key first, then the pipeline (whose first step, reading the body,
+    raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
+    gets exactly one access-log line however it ends."""
     headers = ex.headers
-    st = RequestState(headers.get("x-request-id") or g.request_ids.next())
+    st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next())
     status = 500
     try:
         st.principal = g.auth.authenticate(headers)
-        _check_length(g, ex.content_length)
         resp = await pipeline.handle(g, ex, st, route)
         status = resp.status
         return resp
-    except (GatewayError, web.HTTPRequestEntityTooLarge) as e:
-        # (aiohttp raises the latter when a chunked body grows past the limit while being read)
-        err = e if isinstance(e, GatewayError) else _too_large(g)
+    except GatewayError as err:
         status = err.status
         if status in (503, 429):
             g.metrics.reject(status)
@@ -73,44 +59,9 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         g.log_request(st, status)
 
 
-class AiohttpExchange:
-    """An API request that reached aiohttp (handed over by the front, see gateway/front.py)."""
-
-    __slots__ = ("request", "headers", "content_length")
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.headers = request.headers
-        self.content_length = request.content_length
-
-    async def read(self) -> bytes:
-        return await self.request.read()
-
-    def reply(self, status: int, headers: dict[str, str], body: bytes) -> web.Response:
-        return web.Response(body=body, status=status, headers=headers)
-
-    async def open_stream(self, headers: dict[str, str]) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers=headers)
-        resp._send_headers_immediately = False  # the head goes out with the first events
-        resp.content_type = "text/event-stream"
-        await resp.prepare(self.request)
-        return resp
-
-
-async def chat(request: web.Request) -> web.StreamResponse:
-    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "completions")
-
-
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await serve_api(request.app[GATEWAY], AiohttpExchange(request), "embeddings")
-
-
 def guarded(handler, *, key: bool = True):
-    """Any other route: request id, API key unless key=False, and errors as OpenAI-shaped JSON."""
+    """Any other route: request id, API key unless key=False, and errors as OpenAI-shaped JSON. The front has
+    read these requests already (and checked their request id and body size) before aiohttp sees them."""
 
     async def route(request: web.Request) -> web.StreamResponse:
         g: Gateway = request.app[GATEWAY]
@@ -118,12 +69,9 @@ def guarded(handler, *, key: bool = True):
         try:
             if key:
                 g.auth.authenticate(request.headers)
-            _check_length(g, request.content_length)
             resp = await handler(request)
         except GatewayError as e:
             return _error_response(e, rid)
-        except web.HTTPRequestEntityTooLarge:
-            return _error_response(_too_large(g), rid)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -249,10 +197,7 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app[GATEWAY] = Gateway(cfg)
     app[SHUTTING_DOWN] = False
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
-    r = app.router
-    r.add_post("/v1/chat/completions", chat)
-    r.add_post("/v1/completions", completions)
-    r.add_post("/v1/embeddings", embeddings)
+    r = app.router  # the API routes themselves are served by the front (gateway/front.py)
     r.add_get("/v1/models", guarded(models))
     # Liveness and readiness answer without a key (orchestrators); /metrics asks for an admin key itself
     # when configured to (read per scrape, so that a reload applies).

@@ -23,6 +23,18 @@ class ServerConfig(Strict):
     shutdown_grace_s: float = Field(30.0, ge=0)
     access_log: bool = True
     keepalive_s: float = Field(75.0, gt=0)
+    # Limits on what a client sends before its request is served (431, 408; see gateway/front.py).
+    max_head_bytes: int = Field(32 * 1024, ge=1024)
+    max_headers: int = Field(100, ge=8)
+    head_timeout_s: float = Field(15.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
+    # A client that takes nothing of its reply for this long is dropped (its engine request is aborted).
+    write_timeout_s: float = Field(30.0, gt=0)
+    # Open client connections; at the limit the oldest one not being served makes room. Also bounded by
+    # the process's file limit (each connection may need one to an engine).
+    max_connections: int = Field(10_000, ge=16)
+    # Connections in the middle of sending a request head or body; past it the oldest one gets a 408.
+    max_reading_connections: int = Field(1024, ge=1)
 
 
 class ApiKey(Strict):
@@ -61,6 +73,11 @@ class UpstreamConfig(Strict):
     pool_limit: int = Field(1024, ge=1)
     pool_limit_per_backend: int = Field(512, ge=1)
     keepalive_s: float = Field(30.0, gt=0)
+    # Bounds on what an engine sends: a non-streamed reply (larger: 502), an error body (cut there), one
+    # server-sent event (larger: the stream ends with an error event).
+    max_reply_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_error_bytes: int = Field(64 * 1024, ge=1024)
+    max_event_bytes: int = Field(1024 * 1024, ge=1024)
     # Per request class: a stream whose engine sent nothing within this long fails over to the next
     # candidate (the last candidate still gets first_byte_timeout_s). Classes not named use that too.
     ttft_deadline_s: dict[str, float] = Field(default_factory=dict)

@@ -179,3 +179,11 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamDisconnected(UpstreamError):
     """The backend closed or reset the connection before the response was complete."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The backend's reply broke HTTP/1.1 framing or a limit: the connection is dropped, never reused."""
+
+
+class ReplyTooLarge(UpstreamError):
+    """A reply body (or one event of a stream) larger than the gateway buffers."""

@@ -11,16 +11,16 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import admit
-from gateway.contracts import Outcome, RequestShape, RouteInput, UpstreamCall
+from gateway.contracts import Outcome, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
                               hung_hold)
-from gateway.relay import ModelRewrite, SSERelay, StreamMeter
+from gateway.headers import trace_headers
+from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter
 from gateway.shape import classify, session_of
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
-FORWARDED_HEADERS = ("x-request-id", "traceparent", "tracestate")
 GATEWAY: web.AppKey = web.AppKey("gateway")
 REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
@@ -115,7 +115,7 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
     """Try the ranked backends in turn; a failure before the first byte moves on, after it never does."""
     cfg = g.cfg
     headers = ex.headers
-    fwd = {h: headers[h] for h in FORWARDED_HEADERS if h in headers}
+    fwd = trace_headers(headers)  # only a valid trace context goes on; the request id was checked on arrival
     fwd["x-request-id"] = st.request_id
     deadline = time.monotonic() + cfg.routing.retry_deadline_s
     max_attempts = cfg.routing.max_attempts
@@ -137,8 +137,11 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
         if class_ttft is not None and tried < max_attempts and _another_usable(g, ranked, i):
             first_byte_s = min(class_ttft, first_byte_s)
         native = b.models[shape.model]
-        call = UpstreamCall(PATHS[shape.route], b.adapter.prepare(shape.route, body, raw, native, shape.stream),
-                            fwd, shape.stream)
+        try:
+            upstream_body = b.adapter.prepare(shape.route, body, raw, native, shape.stream)
+        except orjson.JSONEncodeError:
+            raise bad_request("The request body is nested too deeply to be passed on.", code="invalid_json") from None
+        call = UpstreamCall(PATHS[shape.route], upstream_body, fwd, shape.stream)
         st.backend = b.id
         if failed:
             st.reason = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
@@ -191,7 +194,7 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             raise charge_send_error(b, e, started, cfg.health) from e
         status = reply.status
         if status >= 400:
-            err = normalize_engine_error(status, await _read_quietly(reply))
+            err = normalize_engine_error(status, await _read_quietly(reply, cfg.upstream.max_error_bytes))
             retry = charge_engine_error(b, err, reply.headers, cfg.health)
             if retry is None:
                 engine_ok = True  # the engine answered properly; the request was at fault
@@ -207,7 +210,11 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
             return resp
         try:
-            data = await reply.read()
+            data = await reply.read(cfg.upstream.max_reply_bytes)
+        except ReplyTooLarge:
+            b.breaker.on_failure(loop_now())
+            raise upstream_failed(f"the reply is larger than the gateway's limit "
+                                  f"({cfg.upstream.max_reply_bytes} bytes)") from None  # not retried: it would be again
         except TRANSPORT_ERRORS as e:
             b.breaker.on_failure(loop_now())
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
@@ -259,7 +266,10 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
         b.last_output = started
     if first.startswith((b'data: {"error"', b'data:{"error"')):
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
-        err = error_from_event(orjson.loads(first.split(b"\n\n", 1)[0][5:]))
+        err = _first_event_error(first)
+        if err is None:
+            b.breaker.on_failure(time.monotonic())
+            raise Retryable(upstream_failed("the engine began its stream with a malformed error event"))
         if err.status >= 500:
             b.breaker.on_failure(time.monotonic())
             raise Retryable(err)
@@ -268,25 +278,32 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).
     resp = await ex.open_stream(g.reply_headers(st, reply.headers))
-    relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename)
+    relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
+                     max_event=g.cfg.upstream.max_event_bytes)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
     g.streams.add(task)
     try:
-        await relay.feed(first)
-        while True:
-            # Only reading from the engine is guarded: a failed write means the client left, not the engine.
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except TRANSPORT_ERRORS as e:
-                b.breaker.on_failure(time.monotonic())
-                g.metrics.stream_error(b.id)
-                # The client has seen output: no failover now, an OpenAI error event and [DONE] instead.
-                await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
-                                 else upstream_failed("the engine stopped mid-stream"))
-                return resp
-            await relay.feed(chunk)
+        try:
+            await relay.feed(first)
+            while True:
+                # Only reading from the engine is guarded: a failed write means the client left, not the engine.
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TRANSPORT_ERRORS as e:
+                    b.breaker.on_failure(time.monotonic())
+                    g.metrics.stream_error(b.id)
+                    # The client has seen output: no failover now, an OpenAI error event and [DONE] instead.
+                    await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
+                                     else upstream_failed("the engine stopped mid-stream"))
+                    return resp
+                await relay.feed(chunk)
+        except EventTooLarge as e:
+            b.breaker.on_failure(time.monotonic())
+            g.metrics.stream_error(b.id)
+            await relay.fail(upstream_failed(str(e)))
+            return resp
     except asyncio.CancelledError:
         if not g.cutting:
             raise  # the client went away
@@ -300,11 +317,21 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
     return resp
 
 
-async def _read_quietly(reply) -> bytes:
+async def _read_quietly(reply, limit: int) -> bytes:
+    """An error body, cut at `limit` (its start says what went wrong)."""
     try:
-        return await reply.read()
+        return await reply.read(limit, truncate=True)
     except TRANSPORT_ERRORS:
         return b""
+
+
+def _first_event_error(first: bytes) -> GatewayError | None:
+    """The error an engine's first event carries, or None when that event is not readable JSON."""
+    try:
+        payload = orjson.loads(first.split(b"\n\n", 1)[0][5:])
+    except orjson.JSONDecodeError:
+        return None
+    return error_from_event(payload) if isinstance(payload, dict) else None
 
 
 _USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')

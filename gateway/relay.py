@@ -7,7 +7,6 @@ from time import perf_counter
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from gateway.errors import GatewayError, error_from_event
 
@@ -70,27 +69,52 @@ class StreamMeter:
         self.error: GatewayError | None = None
 
 
+class EventTooLarge(Exception):
+    """One server-sent event grew past the gateway's limit without ending."""
+
+
 class SSERelay:
-    """Splits the upstream byte stream into events, inspects only what stats need, forwards the rest unchanged."""
+    """Splits the upstream byte stream into events, inspects only what stats need, forwards the rest unchanged.
 
-    __slots__ = ("resp", "meter", "strip_usage", "rename", "_buf")
+    A partial event waits for its end, up to `max_event` bytes: past that EventTooLarge ends the relay.
+    """
 
-    def __init__(self, resp: web.StreamResponse, meter: StreamMeter, strip_usage: bool,
-                 rename: ModelRewrite) -> None:
+    __slots__ = ("resp", "meter", "strip_usage", "rename", "max_event", "_parts", "_size")
+
+    def __init__(self, resp, meter: StreamMeter, strip_usage: bool, rename: ModelRewrite,
+                 max_event: int = 1 << 20) -> None:
         self.resp = resp
         self.meter = meter
         self.strip_usage = strip_usage
         self.rename = rename
-        self._buf = b""
+        self.max_event = max_event
+        self._parts: list[bytes] = []  # the start of an event not yet ended
+        self._size = 0
 
     async def feed(self, chunk: bytes) -> None:
-        data = self._buf + chunk if self._buf else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._buf = data
+        cut = chunk.rfind(b"\n\n")
+        parts = self._parts
+        if cut < 0 and parts and parts[-1][-1:] == b"\n" and chunk[:1] == b"\n":
+            cut = -1  # the blank line straddles two reads
+        elif cut < 0:
+            # A partial event: kept in pieces (joined once it ends, so a long one costs linear time), bounded.
+            parts.append(chunk)
+            self._size += len(chunk)
+            if self._size > self.max_event:
+                raise EventTooLarge(f"the engine sent an event larger than {self.max_event} bytes")
             return
-        self._buf = data[cut + 2:]
-        out = self._events(data[:cut + 2])
+        if len(chunk) - cut - 2 > self.max_event:
+            raise EventTooLarge(f"the engine sent an event larger than {self.max_event} bytes")
+        if parts:
+            data = b"".join(parts) + chunk[:cut + 2]
+            parts.clear()
+        else:
+            data = chunk[:cut + 2] if cut + 2 < len(chunk) else chunk
+        rest = chunk[cut + 2:]
+        if rest:
+            parts.append(rest)
+        self._size = len(rest)
+        out = self._events(data)
         if self.meter.saw_done:
             # The client's stream is complete: the last bytes and the end of the body go in one write.
             await self.resp.write_eof(out)
@@ -100,10 +124,11 @@ class SSERelay:
     async def finish(self) -> None:
         """End of the upstream body: flush a trailing event, make sure the client gets a clean ending."""
         m = self.meter
-        if m.saw_done and not self._buf.strip():
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        if m.saw_done and not rest.strip():
             return
-        tail = self._events(self._buf + b"\n\n") if self._buf.strip() else b""
-        self._buf = b""
+        tail = self._events(rest + b"\n\n") if rest.strip() else b""
         if not m.saw_done:
             if m.error is None and not m.saw_finish:
                 m.error = GatewayError(502, "The upstream engine ended the stream early.", code="upstream_truncated")

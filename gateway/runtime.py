@@ -18,6 +18,7 @@ import policies
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.contracts import Outcome, Policy, RequestShape
+from gateway.headers import safe_value
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestState
 from gateway.pool import BackendState, Pool
@@ -187,7 +188,8 @@ class Gateway:
 
     # -- response headers ----------------------------------------------------------------------
     def reply_headers(self, st: RequestState, upstream: Mapping[str, str]) -> dict[str, str]:
-        h = {k: upstream[k] for k in SAFE_UPSTREAM_HEADERS if k in upstream}
+        # From an allow-list only, and re-checked (the reply parser already refuses control characters).
+        h = {k: upstream[k] for k in SAFE_UPSTREAM_HEADERS if k in upstream and safe_value(upstream[k])}
         h["x-request-id"] = st.request_id
         h["x-shapegate-backend"] = st.backend
         h["x-shapegate-reason"] = st.reason

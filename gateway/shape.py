@@ -5,13 +5,28 @@ from __future__ import annotations
 from typing import Any, Mapping
 from zlib import adler32, crc32
 
+import orjson
+
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, RequestShape
+from gateway.errors import bad_request
 
 # English text averages about four characters per token across the common BPE vocabularies.
 CHARS_PER_TOKEN = 4
 # Per-message template overhead (role markers, separators) in tokens, as chat templates render it.
 MESSAGE_OVERHEAD_TOKENS = 4
+
+
+def _json_text(value: Any, param: str) -> str:
+    """A JSON value as text (sized and hashed like any prompt text); nesting deeper than orjson writes is a 400."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        raise bad_request(f"'{param}' is nested too deeply.", param=param) from None
+
+
+def _role_text(role: Any) -> str:
+    return role if isinstance(role, str) else _json_text(role, "messages")
 
 
 def _content_text(content: Any) -> str:
@@ -29,10 +44,10 @@ def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
         parts = []
         for m in messages:
             if isinstance(m, dict):
-                parts.append(f"<{m.get('role', '')}>{_content_text(m.get('content'))}")
+                parts.append(f"<{_role_text(m.get('role', ''))}>{_content_text(m.get('content'))}")
         tools = body.get("tools")
         if tools:  # templates render tool definitions into the system prefix
-            parts.insert(0, f"<tools>{tools!r}")
+            parts.insert(0, f"<tools>{_json_text(tools, 'tools')}")
         return "".join(parts), len(parts)
     prompt = body.get("prompt") if route == "completions" else body.get("input")
     if isinstance(prompt, list):
@@ -49,12 +64,11 @@ def prompt_size(route: str, body: Mapping[str, Any]) -> tuple[int, int]:
     for m in body.get("messages") or ():
         if isinstance(m, dict):
             role, content = m.get("role", ""), m.get("content")
-            chars += (len(role) if isinstance(role, str) else len(str(role))) + 2 + \
-                len(content if isinstance(content, str) else _content_text(content))
+            chars += len(_role_text(role)) + 2 + len(content if isinstance(content, str) else _content_text(content))
             n += 1
     tools = body.get("tools")
     if tools:
-        chars += len(f"<tools>{tools!r}")
+        chars += len(f"<tools>{_json_text(tools, 'tools')}")
         n += 1
     return chars, n
 

@@ -8,6 +8,8 @@ import pytest
 
 from tests.gateway_harness import USER_KEY
 
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
 
 @pytest.fixture
 async def c(gateway):
@@ -39,14 +41,14 @@ async def test_forward_bytes_unchanged_when_nothing_changes(gateway, engines, c)
     async with aiohttp.ClientSession() as s:
         async with s.post(gateway.url + "/v1/chat/completions", data=body,
                           headers={"Authorization": f"Bearer {USER_KEY}", "Content-Type": "application/json",
-                                   "x-request-id": "req-123", "traceparent": "00-abc-def-01"}) as r:
+                                   "x-request-id": "req-123", "traceparent": TRACEPARENT}) as r:
             assert r.status == 200
             assert r.headers["x-request-id"] == "req-123"
             assert r.headers["x-shapegate-backend"] == "vllm-a"
     assert engines[0].knobs.seen[-1] == {"model": "m2", "messages": [{"role": "user", "content": "x"}],
                                          "max_tokens": 2, "weird": {"a": [1, 2]}}
     h = engines[0].knobs.headers_seen[-1]
-    assert h["x-request-id"] == "req-123" and h["traceparent"] == "00-abc-def-01"
+    assert h["x-request-id"] == "req-123" and h["traceparent"] == TRACEPARENT
     assert "Authorization" not in h  # the client's gateway key never reaches an engine
 
 

@@ -189,7 +189,7 @@ async def test_http10_and_chunked_request_bodies_are_served(conn, gateway):
 
 async def test_idle_connections_are_closed_after_keepalive(engines):
     cfg = gateway_config([{"id": "e", "engine": "vllm", "url": engines[0].url, "models": ["m2"]}],
-                         server={"access_log": False, "keepalive_s": 0.3})
+                         server={"access_log": False, "keepalive_s": 0.3, "head_timeout_s": 0.3})
     gw = await start_gateway(cfg)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
@@ -199,6 +199,12 @@ async def test_idle_connections_are_closed_after_keepalive(engines):
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(post()[:20])  # a head that never completes
+        status, headers, body = await read_response(reader)
+        assert status == 408 and headers["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "request_timeout"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)  # a connection that says nothing
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
     finally:

@@ -37,7 +37,7 @@ async def test_content_length_chunked_and_keepalive_reuse():
         p = pool(e.url)
         r = await p.request("POST", "/v1/chat/completions", {"Content-Type": "application/json"},
                             b'{"model":"m","messages":[],"max_tokens":3}', 5)
-        assert r.status == 200 and b'"w0 w1 w2"' in await r.read()
+        assert r.status == 200 and b'"w0 w1 w2"' in await r.read(1 << 20)
         r.close()
         first = p.idle[0]
         r = await p.request("POST", "/v1/chat/completions", {"Content-Type": "application/json"},
@@ -103,7 +103,7 @@ async def test_stale_keepalive_connection_is_retried_on_a_fresh_one():
         p = pool(url)
         for _ in range(3):
             r = await p.request("POST", "/x", {}, b"{}", 5)
-            assert await r.read() == b"ok"
+            assert await r.read(1 << 20) == b"ok"
             r.close()
         assert len(served) == 3
         p.close()
@@ -120,7 +120,7 @@ async def test_until_close_body_and_connection_refused():
     async with server:
         p = pool(url)
         r = await p.request("POST", "/x", {}, b"", 5)
-        assert await r.read() == b"all of it"
+        assert await r.read(1 << 20) == b"all of it"
         r.close()
         assert not p.idle
     with pytest.raises(UpstreamConnectError):
@@ -139,7 +139,7 @@ async def test_disconnect_mid_body_and_idle_timeout():
         p = pool(url)
         r = await p.request("POST", "/x", {}, b"", 5)
         with pytest.raises(UpstreamDisconnected):
-            await r.read()
+            await r.read(1 << 20)
         r.close()
 
     writers = []

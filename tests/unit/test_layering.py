@@ -34,11 +34,11 @@ def test_policies_import_only_contracts_pydantic_stdlib():
                 or top == "policies", f"{f.name} imports {n}"
 
 
-def test_backends_import_only_contracts_aiohttp_orjson():
+def test_backends_import_only_contracts_aiohttp_httptools_orjson():
     for f in (ROOT / "backends").glob("*.py"):
         for n in imports(f):
             top = n.split(".")[0]
-            assert top in STDLIB or top in ("aiohttp", "orjson", "__future__", "backends") \
+            assert top in STDLIB or top in ("aiohttp", "httptools", "orjson", "__future__", "backends") \
                 or n == "gateway.contracts", f"{f.name} imports {n}"
 
 
