@@ -6,7 +6,7 @@ import asyncio
 import socket
 import ssl as ssl_mod
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import AsyncIterator, Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
 import httptools
@@ -20,7 +20,7 @@ HIGH_WATER = 256 * 1024
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
 
-Headers = Mapping[str, str] | Iterable[tuple[str, str]]
+Headers = dict[str, str] | Iterable[tuple[str, str]]
 
 
 class Response:
@@ -163,7 +163,7 @@ class Connection(asyncio.Protocol):
 
     def send(self, method: str, path: str, headers: Headers, body: bytes) -> asyncio.Future:
         lines = [f"{method} {path} HTTP/1.1\r\nHost: {self.pool.host_header}\r\nContent-Length: {len(body)}\r\n"]
-        lines += [f"{k}: {v}\r\n" for k, v in (headers.items() if isinstance(headers, Mapping) else headers)]
+        lines += [f"{k}: {v}\r\n" for k, v in (headers.items() if isinstance(headers, dict) else headers)]
         lines.append("\r\n")
         head = "".join(lines).encode("latin-1")
         # Every CR and LF in the head must be a line end of ours: a value carrying one would start a

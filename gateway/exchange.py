@@ -12,7 +12,7 @@ from gateway.errors import GatewayError
 if TYPE_CHECKING:
     from gateway.front import FrontConnection
 
-Headers = Mapping[str, str] | Iterable[tuple[str, str]]
+Headers = dict[str, str] | Iterable[tuple[str, str]]
 # Bodies larger than this go out in a write of their own rather than copied behind the head.
 _JOIN_LIMIT = 64 * 1024
 
@@ -30,7 +30,7 @@ STATUS_LINES = {s.value: _status_line(s.value) for s in HTTPStatus}
 
 def head(status: int, headers: Headers, extra: str) -> bytes:
     """A reply head. Every value in it is the gateway's own or was checked where it came in (see headers.py)."""
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    pairs = headers.items() if isinstance(headers, dict) else headers
     lines = "".join(f"{k}: {v}\r\n" for k, v in pairs)
     return (STATUS_LINES.get(status) or _status_line(status)) + f"{lines}{extra}\r\n".encode("latin-1")
 
@@ -51,7 +51,7 @@ def too_large(limit: int, length: int | None = None) -> GatewayError:
 
 
 def _has_content_type(headers: Headers) -> bool:
-    if isinstance(headers, Mapping):
+    if isinstance(headers, dict):
         return "content-type" in headers or "Content-Type" in headers
     return any(k.lower() == "content-type" for k, _ in headers)
 
