@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import getpass
 import logging
+import resource
 import signal
 import sys
 
@@ -47,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
+    raise_file_limit()
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
     if args.workers == 1:
@@ -62,6 +64,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
 
     return run_workers(args.workers, worker)
+
+
+def raise_file_limit() -> None:
+    """The soft limit on open files up to the hard one: every stream holds a client and an engine connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # some systems refuse an unlimited soft limit; the default stands and caps connections
 
 
 def _positive(text: str) -> int:

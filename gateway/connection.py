@@ -377,6 +377,7 @@ class FrontConnection(asyncio.Protocol):
             self.task.cancel()
         if not self.closed:
             self.transport.write(error_reply(err, close=True))
+        self.front.g.metrics.reject(err.status)
         self._linger()
 
     def _linger(self) -> None:
@@ -420,6 +421,7 @@ class FrontConnection(asyncio.Protocol):
         if self.phase in (HEAD, BODY) and not (self.ex is not None and self.ex.started) and not self.closed:
             self.transport.write(error_reply(refusal(408, "The request did not arrive in time.", "request_timeout"),
                                              close=True))
+            self.front.g.metrics.reject(408)
         self._close()
 
     def _close(self) -> None:
