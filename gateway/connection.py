@@ -191,9 +191,11 @@ class FrontConnection(asyncio.Protocol):
             view.release()  # before the buffer changes size
         if error is None:
             return taken
-        if isinstance(error.__context__, _StopParsing):
+        if self.msg_done:
+            # The request is whole; what follows it stopped the parser: a second request (_StopParsing),
+            # or any byte after one that ends its connection ("Data after Connection: close").
             self.overrun = True
-            return taken  # (where the second request starts is found from the first's length)
+            return taken  # (where a second request starts is found from the first's length)
         # llhttp's reasons are fixed texts: nothing of the request is quoted back.
         self._refuse(refusal(400, f"Malformed HTTP request: {error}.", "bad_http_request"))
         return None
