@@ -137,7 +137,8 @@ class Connection(asyncio.Protocol):
         self._fields: list[tuple[bytes, bytes]] | None = None  # the reply head being read
         self._body: list[bytes] = []  # body bytes of the read being parsed
         self._done_now = False  # the reply ended in the read being parsed
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes read while the head is incomplete
+        self._field_bytes = 0  # size of the header fields parsed
         self._interim = False
         self._resp: Response | None = None
         self._head_waiter: asyncio.Future | None = None
@@ -174,14 +175,16 @@ class Connection(asyncio.Protocol):
             raise ValueError("refusing to send a header field with CR, LF or NUL in it")
         self.used += 1
         self._complete = self._until_close = self._interim = False
-        self._fields, self._head_bytes, self._resp = [], 0, None
+        self._fields, self._head_bytes, self._field_bytes, self._resp = [], 0, 0, None
         self._head_waiter = fut = self.loop.create_future()
         self.transport.write(head + body)
         return fut
 
     def data_received(self, data: bytes) -> None:
         if self._complete:
-            self._keep_alive = False  # bytes nobody asked for: this connection is not reused
+            # Bytes nobody asked for (an idle connection, or after a whole reply): were it reused, they would
+            # pass for the next request's reply.
+            self.abandon()
             return
         error: Exception | None = None
         try:
@@ -224,8 +227,10 @@ class Connection(asyncio.Protocol):
         fields = self._fields
         if fields is None:
             return  # a trailer field after a chunked body: not used
-        if len(fields) >= MAX_HEADERS:
-            raise UpstreamProtocolError("too many header fields in the reply")
+        # Counted here too: the read that completes a head is parsed whole before data_received can count it.
+        self._field_bytes += len(name) + len(value) + 4
+        if len(fields) >= MAX_HEADERS or self._field_bytes > MAX_HEAD:
+            raise UpstreamProtocolError("reply head too large")
         fields.append((name, value))
 
     def on_headers_complete(self) -> None:
