@@ -93,6 +93,10 @@ class Response:
             self._conn.transport.resume_reading()
         return data
 
+    @property
+    def broken(self) -> bool:
+        return self._done and self._error is not None
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         while True:
             data = await self._next()

@@ -137,7 +137,12 @@ class UpstreamReply(Protocol):
 
     def iter_chunks(self) -> AsyncIterator[bytes]: ...
 
-    async def read(self) -> bytes: ...
+    async def read(self, limit: int, *, truncate: bool = False) -> bytes:
+        """The whole body up to `limit` bytes: past it ReplyTooLarge, or with truncate=True its first `limit`."""
+
+    @property
+    def broken(self) -> bool:
+        """The reply has already failed (what was read of it so far may still be waiting to be taken)."""
 
     def close(self) -> None: ...
 

@@ -262,6 +262,10 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
     except TRANSPORT_ERRORS as e:
         b.breaker.on_failure(time.monotonic())
         raise Retryable(upstream_failed("connection lost before the first token")) from e
+    if reply.broken:
+        # The engine's reply broke in the same read as its first bytes: the client has seen nothing yet.
+        b.breaker.on_failure(time.monotonic())
+        raise Retryable(upstream_failed("the engine's reply broke before the first token"))
     if started > b.last_output:
         b.last_output = started
     if first.startswith((b'data: {"error"', b'data:{"error"')):

@@ -117,9 +117,14 @@ async def good_then_late_reply(w: asyncio.StreamWriter, stream: bool, engine: "R
     await w.drain()
 
 
-def first_event_then_bad_chunk(stream: bool) -> bytes:
+async def first_event_then_bad_chunk(w: asyncio.StreamWriter, stream: bool, engine: "RawEngine") -> None:
+    """Output first, then (in a later read) broken framing: a stream has been committed to the client by then."""
     first = SSE_EVENTS[0] + SSE_EVENTS[1] if stream else JSON_BODY[:60]
-    return head(stream, b"Transfer-Encoding: chunked") + chunk(first) + b"-6\r\nxxxxxx\r\n"
+    w.write(head(stream, b"Transfer-Encoding: chunked") + chunk(first))
+    await w.drain()
+    await asyncio.sleep(0.05)
+    w.write(b"-6\r\nxxxxxx\r\n")
+    await w.drain()
 
 
 # -- a raw engine, and a raw client -----------------------------------------------------------------------
