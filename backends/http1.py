@@ -19,6 +19,7 @@ HIGH_WATER = 256 * 1024
 # An engine's reply head: larger, or with more header lines, is a protocol error.
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
+MAX_INTERIM = 8  # 1xx replies before the real one
 
 Headers = dict[str, str] | Iterable[tuple[str, str]]
 
@@ -138,11 +139,12 @@ class Connection(asyncio.Protocol):
         self.used = 0
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._fields: list[tuple[bytes, bytes]] | None = None  # the reply head being read
+        # The raw bytes of a reply head being read (None once read): its fields are taken from them, not from
+        # a callback per field, so that nothing accumulates fields (a trailer that never ends costs nothing).
+        self._head: bytes | bytearray | None = None
+        self._interims = 0
         self._body: list[bytes] = []  # body bytes of the read being parsed
         self._done_now = False  # the reply ended in the read being parsed
-        self._head_bytes = 0  # bytes read while the head is incomplete
-        self._field_bytes = 0  # size of the header fields parsed
         self._interim = False
         self._resp: Response | None = None
         self._head_waiter: asyncio.Future | None = None
@@ -179,7 +181,7 @@ class Connection(asyncio.Protocol):
             raise ValueError("refusing to send a header field with CR, LF or NUL in it")
         self.used += 1
         self._complete = self._until_close = self._interim = False
-        self._fields, self._head_bytes, self._field_bytes, self._resp = [], 0, 0, None
+        self._head, self._resp, self._interims = b"", None, 0
         self._head_waiter = fut = self.loop.create_future()
         self.transport.write(head + body)
         return fut
@@ -191,6 +193,8 @@ class Connection(asyncio.Protocol):
             self.abandon()
             return
         error: Exception | None = None
+        if self._head is not None:  # (bytes: no copy for a head that comes in one read)
+            self._head = data if not self._head else bytearray(self._head) + data
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -217,37 +221,37 @@ class Connection(asyncio.Protocol):
         if error is not None:
             self._fail(error)
             return
-        if self._fields is not None:  # still in the head
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD:
-                self._fail(UpstreamProtocolError("reply head too large"))
+        if self._head is not None and len(self._head) > MAX_HEAD:  # still in the head, and too much of it
+            self._fail(UpstreamProtocolError("reply head too large"))
 
     # -- llhttp callbacks ----------------------------------------------------------------------
     def on_message_begin(self) -> None:
         if self._complete:
             raise UpstreamProtocolError("bytes after the end of the reply")
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        fields = self._fields
-        if fields is None:
-            return  # a trailer field after a chunked body: not used
-        # Counted here too: the read that completes a head is parsed whole before data_received can count it.
-        self._field_bytes += len(name) + len(value) + 4
-        if len(fields) >= MAX_HEADERS or self._field_bytes > MAX_HEAD:
-            raise UpstreamProtocolError("reply head too large")
-        fields.append((name, value))
-
     def on_headers_complete(self) -> None:
+        # Strict llhttp allows no bare CR or LF in a head, so it ends at the first CRLFCRLF of its bytes, and
+        # every line in it is `name ":" OWS value OWS`.
+        raw = self._head
+        end = raw.find(b"\r\n\r\n")
+        if end + 4 > MAX_HEAD:
+            raise UpstreamProtocolError("reply head too large")
         status = self._parser.get_status_code()
         if status < 200:
             if status == 101:
                 raise UpstreamProtocolError("the engine switched protocols")
-            self._fields, self._interim = [], True  # 100 Continue, 103 Early Hints: the real head follows
+            self._interims += 1
+            if self._interims > MAX_INTERIM:
+                raise UpstreamProtocolError("too many interim replies")
+            self._head, self._interim = raw[end + 4:], True  # 100 Continue, 103 Early Hints: the real head follows
             return
         if status > 599:
             raise UpstreamProtocolError(f"reply status {status}")
-        header_list = [(k.decode("latin-1"), v.decode("latin-1").strip(" \t")) for k, v in self._fields]
-        self._fields = None
+        lines = raw[:end].decode("latin-1").split("\r\n")[1:]  # (the first is the status line)
+        if len(lines) > MAX_HEADERS:
+            raise UpstreamProtocolError("too many header fields in the reply")
+        self._head = None
+        header_list = [(k, v.strip(" \t")) for k, _, v in (line.partition(":") for line in lines)]
         headers: dict[str, str] = {}
         for k, v in header_list:
             k = k.lower()

@@ -35,14 +35,12 @@ def head(status: int, headers: Headers, extra: str) -> bytes:
     return (STATUS_LINES.get(status) or _status_line(status)) + f"{lines}{extra}\r\n".encode("latin-1")
 
 
-def error_reply(err: GatewayError, *, close: bool, request_id: str | None = None) -> bytes:
-    """A whole error reply for a request the front refuses before anyone serves it."""
+def error_reply(err: GatewayError, *, head_only: bool = False) -> bytes:
+    """A whole error reply for a request the front refuses before anyone serves it; the connection then ends
+    (a reply to HEAD has no body, though its length is given)."""
     body = err.body()
-    rid = f"x-request-id: {request_id}\r\n" if request_id else ""
-    extra = f"Content-Type: application/json\r\n{rid}Content-Length: {len(body)}\r\n"
-    if close:
-        extra += "Connection: close\r\n"
-    return head(err.status, err.headers, extra) + body
+    extra = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    return head(err.status, err.headers, extra) + (b"" if head_only else body)
 
 
 def too_large(limit: int, length: int | None = None) -> GatewayError:
