@@ -24,20 +24,28 @@ MAX_INTERIM = 8  # 1xx replies before the real one
 Headers = dict[str, str] | Iterable[tuple[str, str]]
 
 
+def _joined(lines: list[str]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for line in lines:
+        k, _, v = line.partition(":")
+        k, v = k.lower(), v.strip(" \t")
+        headers[k] = f"{headers[k]}, {v}" if k in headers else v
+    return headers
+
+
 class Response:
     """One upstream response; body chunks are handed over as they arrive, in arrival order.
 
     `headers` has lower-case names (repeated fields joined with ", "); `header_list` keeps every field.
     """
 
-    __slots__ = ("status", "headers", "header_list", "_conn", "_chunks", "_buffered", "_waiter", "_done",
+    __slots__ = ("status", "headers", "_lines", "_conn", "_chunks", "_buffered", "_waiter", "_done",
                  "_error", "_paused")
 
-    def __init__(self, conn: "Connection", status: int, headers: dict[str, str],
-                 header_list: list[tuple[str, str]]) -> None:
+    def __init__(self, conn: "Connection", status: int, headers: dict[str, str], lines: list[str]) -> None:
         self.status = status
         self.headers = headers
-        self.header_list = header_list
+        self._lines = lines  # the header lines as received
         self._conn = conn
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -93,6 +101,11 @@ class Response:
             self._paused = False
             self._conn.transport.resume_reading()
         return data
+
+    @property
+    def header_list(self) -> list[tuple[str, str]]:
+        """Every header field, in order, repeated ones apart (made on demand: few callers need it)."""
+        return [(k, v.strip(" \t")) for k, _, v in (line.partition(":") for line in self._lines)]
 
     @property
     def broken(self) -> bool:
@@ -169,16 +182,15 @@ class Connection(asyncio.Protocol):
         self._fail(UpstreamDisconnected("the engine closed the connection" + (f": {exc}" if exc else "")))
 
     def send(self, method: str, path: str, headers: Headers, body: bytes) -> asyncio.Future:
-        lines = [f"{method} {path} HTTP/1.1\r\nHost: {self.pool.host_header}\r\nContent-Length: {len(body)}\r\n"]
-        lines += [f"{k}: {v}\r\n" for k, v in (headers.items() if isinstance(headers, dict) else headers)]
-        lines.append("\r\n")
-        head = "".join(lines).encode("latin-1")
-        # Every CR and LF in the head must be a line end of ours: a value carrying one would start a
-        # header, or a whole request, of its own on the engine's side (one whole-head check, in C).
-        ends = len(lines) + 2
-        if head.count(b"\n") != ends or head.count(b"\r\n") != ends or head.count(b"\r") != ends \
-                or b"\x00" in head:
+        lines = [f"{k}: {v}" for k, v in (headers.items() if isinstance(headers, dict) else headers)]
+        fields = "\n".join(lines)
+        # No CR or NUL, and every LF one of the joins: a value carrying a line end would start a header, or
+        # a whole request, of its own on the engine's side (a few scans in C, not a check per field).
+        if "\r" in fields or "\x00" in fields or fields.count("\n") != max(len(lines) - 1, 0) \
+                or "\n" in path or "\r" in path:
             raise ValueError("refusing to send a header field with CR, LF or NUL in it")
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.pool.host_header}\r\nContent-Length: {len(body)}\r\n"
+                + fields.replace("\n", "\r\n") + ("\r\n\r\n" if fields else "\r\n")).encode("latin-1")
         self.used += 1
         self._complete = self._until_close = self._interim = False
         self._head, self._resp, self._interims = b"", None, 0
@@ -247,20 +259,22 @@ class Connection(asyncio.Protocol):
             return
         if status > 599:
             raise UpstreamProtocolError(f"reply status {status}")
-        lines = raw[:end].decode("latin-1").split("\r\n")[1:]  # (the first is the status line)
+        lines = raw[:end].decode("latin-1").split("\r\n")
+        del lines[0]  # the status line
         if len(lines) > MAX_HEADERS:
             raise UpstreamProtocolError("too many header fields in the reply")
         self._head = None
-        header_list = [(k, v.strip(" \t")) for k, _, v in (line.partition(":") for line in lines)]
         headers: dict[str, str] = {}
-        for k, v in header_list:
-            k = k.lower()
-            headers[k] = f"{headers[k]}, {v}" if k in headers else v
+        for line in lines:
+            k, _, v = line.partition(":")
+            headers[k.lower()] = v.strip(" \t")
+        if len(headers) != len(lines):
+            headers = _joined(lines)  # a repeated field
         te = headers.get("transfer-encoding")
         if te is not None and te.lower() != "chunked":
             raise UpstreamProtocolError("unsupported transfer coding in the reply")
         self._until_close = te is None and "content-length" not in headers and status not in (204, 304)
-        resp = self._resp = Response(self, status, headers, header_list)
+        resp = self._resp = Response(self, status, headers, lines)
         w, self._head_waiter = self._head_waiter, None
         if w is not None and not w.done():
             w.set_result(resp)

@@ -65,10 +65,10 @@ class FrontConnection(asyncio.Protocol):
         self.read_paused = False
         self.closed = False
         # The request being parsed (reset for each one).
-        self.url = b""
         self.early: list[bytes] = []  # body bytes parsed with the head, before the exchange exists
         self.head_done = self.msg_done = self.upgrade = self.overrun = False
-        self.head: tuple[str, bytes, bool] = ("", b"", False)  # version, method, keep-alive
+        self.method = ""
+        self.keep_alive = False
 
     # -- transport events ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -130,13 +130,9 @@ class FrontConnection(asyncio.Protocol):
         if self.msg_done:
             raise _StopParsing()  # a second request in the same bytes: parsed after the first is answered
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
     def on_headers_complete(self) -> None:
-        # Read now: llhttp resets them once the message (which may end in the same call) is complete.
-        p = self.parser
-        self.head = (p.get_http_version(), p.get_method(), p.should_keep_alive())
+        # Read now: llhttp resets it once the message (which may end in the same call) is complete.
+        self.keep_alive = self.parser.should_keep_alive()
         self.head_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -170,8 +166,9 @@ class FrontConnection(asyncio.Protocol):
     def _begin_head(self) -> None:
         self.phase = HEAD
         self.cfg = cfg = self.front.cfg
-        self.url, self.early, self.fed = b"", [], 0
+        self.early, self.fed = [], 0
         self.head_done = self.msg_done = self.upgrade = self.overrun = False
+        self.method = ""
         self.deadline = self.loop.time() + cfg.head_timeout_s
 
     def _feed(self, start: int, stop: int) -> int | None:
@@ -218,10 +215,10 @@ class FrontConnection(asyncio.Protocol):
         if not self.head_done:
             self._refuse(refusal(400, "Malformed HTTP request head.", "bad_http_request"))
             return False
-        # The header lines, taken from the head llhttp accepted (no callback per field: fewer calls into Python).
-        lines = self.buf[self.buf.find(b"\r\n") + 2:end].decode("latin-1").split("\r\n") if \
-            self.buf.find(b"\r\n") < end else []
-        if len(lines) > self.cfg.max_headers:
+        # The request line and header lines, taken from the head llhttp accepted (strict: single spaces in
+        # the request line, CRLF line ends): no callback per part, fewer calls into Python.
+        lines = self.buf[:end].decode("latin-1").split("\r\n")
+        if len(lines) > self.cfg.max_headers + 1:
             self._refuse(refusal(431, "The request has too many header fields.", "too_many_headers"))
             return False
         return self._start_request(head_end, lines)
@@ -259,22 +256,28 @@ class FrontConnection(asyncio.Protocol):
 
     def _start_request(self, head_end: int, lines: list[str]) -> bool:
         """The head is read (and what came with it parsed): check it, make the exchange, start its task."""
-        version, method, keep_alive = self.head
-        headers = request_headers(lines)
+        parts = lines[0].split(" ")  # `method SP target SP protocol/version` (llhttp allows runs of spaces)
+        if len(parts) != 3:
+            parts = lines[0].split()
+            if len(parts) != 3:  # (no version at all: HTTP/0.9)
+                self._refuse(refusal(505, "HTTP/0.9 is not supported.", "http_version_not_supported"))
+                return False
+        self.method, target, proto = parts
+        headers = request_headers(lines[1:])
         if isinstance(headers, GatewayError):
             self._refuse(headers)
             return False
-        error = check_head(version, method, headers, self.upgrade)
+        version = proto[5:] if proto.startswith("HTTP/") else proto  # (llhttp also takes RTSP/ and ICE/)
+        error = check_head(version, self.method, headers, self.upgrade)
         if error is not None:
             self._refuse(error)
             return False
         cfg = self.cfg
-        target = self.url.decode("latin-1")
         cl = headers.get("content-length")
         ex = self.ex = FrontExchange(
-            self, method.decode("ascii"), API_ROUTES.get(target.partition("?")[0]), target, headers,
+            self, self.method, API_ROUTES.get(target.partition("?")[0]), target, headers,
             int(cl) if cl is not None else None, "transfer-encoding" in headers,
-            keep_alive and not self.upgrade and not self.front.closing, version == "1.0",
+            self.keep_alive and not self.upgrade and not self.front.closing, version == "1.0",
             headers.get("expect", "").lower() == "100-continue", cfg.max_body_bytes)
         length = ex.content_length or 0
         if length > ex.limit:
@@ -378,7 +381,7 @@ class FrontConnection(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if not self.closed:
-            self.transport.write(error_reply(err, head_only=self.head_done and self.head[1] == b"HEAD"))
+            self.transport.write(error_reply(err, head_only=self.method == "HEAD"))
         self.front.g.metrics.reject(err.status)
         self._linger()
 
@@ -422,7 +425,7 @@ class FrontConnection(asyncio.Protocol):
         """Close at once to make room for another connection (one still sending a request is told 408)."""
         if self.phase in (HEAD, BODY) and not (self.ex is not None and self.ex.started) and not self.closed:
             self.transport.write(error_reply(refusal(408, "The request did not arrive in time.", "request_timeout"),
-                                             head_only=self.head_done and self.head[1] == b"HEAD"))
+                                             head_only=self.method == "HEAD"))
             self.front.g.metrics.reject(408)
         self._close()
 

@@ -31,7 +31,7 @@ STATUS_LINES = {s.value: _status_line(s.value) for s in HTTPStatus}
 def head(status: int, headers: Headers, extra: str) -> bytes:
     """A reply head. Every value in it is the gateway's own or was checked where it came in (see headers.py)."""
     pairs = headers.items() if isinstance(headers, dict) else headers
-    lines = "".join(f"{k}: {v}\r\n" for k, v in pairs)
+    lines = "".join([f"{k}: {v}\r\n" for k, v in pairs])
     return (STATUS_LINES.get(status) or _status_line(status)) + f"{lines}{extra}\r\n".encode("latin-1")
 
 

@@ -66,8 +66,8 @@ class RequestState:
 class Exchange(Protocol):
     """One client request as the server that received it hands it over, and the way back to the client.
 
-    Two servers implement it: the gateway's own HTTP/1.1 front (gateway/front.py) and aiohttp (app.py)
-    for what the front hands over. Header names are looked up in lower case.
+    The gateway's HTTP/1.1 front implements it (gateway/exchange.py); the pipeline needs nothing more of a
+    server, so a test or another server can drive it the same way. Header names are looked up in lower case.
     """
 
     headers: Mapping[str, str]
@@ -213,6 +213,7 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             data = await reply.read(cfg.upstream.max_reply_bytes)
         except ReplyTooLarge:
             b.breaker.on_failure(loop_now())
+            status = 502
             raise upstream_failed(f"the reply is larger than the gateway's limit "
                                   f"({cfg.upstream.max_reply_bytes} bytes)") from None  # not retried: it would be again
         except TRANSPORT_ERRORS as e:

@@ -37,7 +37,7 @@ def request_headers(lines: list[str]) -> dict[str, str] | GatewayError:
     return headers
 
 
-def check_head(version: str, method: bytes, headers: dict[str, str], upgrade: bool) -> GatewayError | None:
+def check_head(version: str, method: str, headers: dict[str, str], upgrade: bool) -> GatewayError | None:
     """What llhttp leaves to the server (RFC 9112): Host, the transfer codings served, Expect, upgrades."""
     if version not in ("1.1", "1.0"):
         return refusal(505, f"HTTP/{version} is not supported.", "http_version_not_supported")
@@ -52,7 +52,7 @@ def check_head(version: str, method: bytes, headers: dict[str, str], upgrade: bo
     if expect is not None and expect.lower() != "100-continue":
         return refusal(417, "Only 'Expect: 100-continue' is supported.", "expectation_failed")
     if upgrade:
-        if method == b"CONNECT":
+        if method == "CONNECT":
             return refusal(405, "CONNECT is not supported.", "method_not_allowed")
         if te is not None or headers.get("content-length", "0") != "0":
             return refusal(400, "A protocol upgrade with a request body is not supported.", "bad_http_request")

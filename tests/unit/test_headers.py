@@ -91,16 +91,16 @@ def test_request_headers_join_repeats_and_refuse_repeated_singletons():
 
 
 @pytest.mark.parametrize("version,method,headers,upgrade,status", [
-    ("1.1", b"POST", {"host": "x"}, False, None),
-    ("1.0", b"POST", {}, False, None),
-    ("1.1", b"POST", {}, False, 400),  # no Host
-    ("2.0", b"POST", {"host": "x"}, False, 505),
-    ("1.1", b"POST", {"host": "x", "transfer-encoding": "gzip, chunked"}, False, 501),
-    ("1.0", b"POST", {"transfer-encoding": "chunked"}, False, 400),
-    ("1.1", b"POST", {"host": "x", "expect": "200-ok"}, False, 417),
-    ("1.1", b"CONNECT", {"host": "x"}, True, 405),
-    ("1.1", b"POST", {"host": "x", "content-length": "5"}, True, 400),
-    ("1.1", b"GET", {"host": "x", "upgrade": "h2c"}, True, None),  # the upgrade is ignored, the request served
+    ("1.1", "POST", {"host": "x"}, False, None),
+    ("1.0", "POST", {}, False, None),
+    ("1.1", "POST", {}, False, 400),  # no Host
+    ("2.0", "POST", {"host": "x"}, False, 505),
+    ("1.1", "POST", {"host": "x", "transfer-encoding": "gzip, chunked"}, False, 501),
+    ("1.0", "POST", {"transfer-encoding": "chunked"}, False, 400),
+    ("1.1", "POST", {"host": "x", "expect": "200-ok"}, False, 417),
+    ("1.1", "CONNECT", {"host": "x"}, True, 405),
+    ("1.1", "POST", {"host": "x", "content-length": "5"}, True, 400),
+    ("1.1", "GET", {"host": "x", "upgrade": "h2c"}, True, None),  # the upgrade is ignored, the request served
 ])
 def test_check_head(version, method, headers, upgrade, status):
     err = check_head(version, method, headers, upgrade)
