@@ -174,7 +174,8 @@ class FrontConnection(asyncio.Protocol):
     def _feed(self, start: int, stop: int) -> int | None:
         """Feed buf[start:stop] to llhttp: how many bytes it took (fewer when an upgrade or a second request
         stopped it), or None when the request was malformed (then answered here, and the connection ends)."""
-        view = memoryview(self.buf)[start:stop]
+        whole = start == 0 and stop == len(self.buf)  # (the usual case: no view to make)
+        view = self.buf if whole else memoryview(self.buf)[start:stop]
         error: httptools.HttpParserError | None = None
         taken = stop - start
         try:
@@ -185,7 +186,8 @@ class FrontConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             error = e
         finally:
-            view.release()  # before the buffer changes size
+            if not whole:
+                view.release()  # before the buffer changes size
         if error is None:
             return taken
         if self.msg_done:

@@ -88,6 +88,8 @@ HOSTILE = {
     "two_x_api_key": Hostile(post(OUTER, b"x-api-key: " + KEY, b"X-Api-Key: sk-other"), 400, "duplicate_header"),
     "http_2_0": Hostile(post(OUTER, version=b"2.0"), 505, "http_version_not_supported"),
     "http_0_9": Hostile(b"GET /\r\n\r\n" + SMUG, 505, "http_version_not_supported"),
+    # llhttp takes RTSP/ and ICE/ request lines too; they are not HTTP/1.x and must not pass for it.
+    "rtsp_1_0": Hostile(post(OUTER).replace(b"HTTP/1.1", b"RTSP/1.0", 1), 505, "http_version_not_supported"),
     "connect": Hostile(b"CONNECT evil:443 HTTP/1.1\r\nHost: evil:443\r\n\r\n" + SMUG, 405, "method_not_allowed"),
     "expect_other": Hostile(post(OUTER, b"Expect: 200-ok"), 417, "expectation_failed"),
     "h2c_upgrade_with_body": Hostile(post(OUTER, b"Connection: Upgrade, HTTP2-Settings", b"Upgrade: h2c",
@@ -240,6 +242,10 @@ UNUSUAL = {
     "http10_keep_alive_pipelined": Unusual(
         one(post("a", b"Connection: keep-alive", version=b"1.0") + post("b", b"Connection: keep-alive", version=b"1.0"),
             2), (200, 200), ("a", "b"), http10_kept_alive),
+    # Runs of spaces in the request line: llhttp takes them, so the front reads the line the same way.
+    "spaces_in_request_line": Unusual(one(post("a").replace(b"POST /v1/chat/completions HTTP/1.1",
+                                                            b"POST  /v1/chat/completions  HTTP/1.1", 1)),
+                                      (200,), ("a",)),
     "chunked_body_in_many_writes": Unusual((Step(split(CHUNKED_HEAD + CHUNKED_A, 5), 1),), (200,), ("a",)),
     "chunked_with_extension_and_trailer": Unusual(
         one(CHUNKED_HEAD + b"%x;ext=1\r\n%s\r\n0\r\nX-Trailer: t\r\n\r\n" % (len(chat("a")), chat("a"))),

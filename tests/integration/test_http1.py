@@ -174,3 +174,25 @@ async def test_head_timeout_aborts_connection():
         assert e.knobs.aborted == 1 and not p.idle and p.sem._value == 8
     finally:
         await e.stop()
+
+
+@pytest.mark.parametrize("name,value", [("x-request-id", "a\r\nGET / HTTP/1.1"), ("x-request-id", "a\nb"),
+                                        ("traceparent", "a\rb"), ("x-a", "a\x00b"), ("x\r\nInjected", "v")])
+async def test_a_header_field_with_a_line_end_is_never_written(name, value):
+    """The last guard against smuggling: whatever reaches the client code, no CR, LF or NUL of a field goes on
+    the wire, and the request is refused before a byte of it is written."""
+    received = []
+
+    async def handler(reader, writer):
+        received.append(await reader.read(65536))
+        writer.close()
+
+    server, url = await raw_server(handler)
+    async with server:
+        p = pool(url)
+        with pytest.raises(ValueError):
+            await p.request("POST", "/x", {"Content-Type": "application/json", name: value}, b"{}", 2)
+        assert p.sem._value == 8
+        await asyncio.sleep(0.1)
+        assert received in ([], [b""]), "nothing was written"
+        p.close()
