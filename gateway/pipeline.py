@@ -71,9 +71,9 @@ class Exchange(Protocol):
     """
 
     headers: Mapping[str, str]
-    content_length: int | None
 
-    async def read(self) -> bytes: ...
+    async def read(self) -> bytes:
+        """The whole body; raises a GatewayError (413, 408) when it is too large or too slow to come."""
 
     def reply(self, status: int, headers: dict[str, str], body: bytes) -> Any:
         """A whole response; the returned object (with .status) is the handler's result."""
