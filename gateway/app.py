@@ -51,7 +51,11 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         status = err.status
         if status in (503, 429):
             g.metrics.reject(status)
-        return ex.reply(status, _error_headers(err, st.request_id), err.body())
+        headers = _error_headers(err, st.request_id)
+        # Where the request went (empty: no backend was tried) and why, as on every reply.
+        headers["x-shapegate-backend"] = st.backend
+        headers["x-shapegate-reason"] = st.reason or (err.code or "error")
+        return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)
         raise

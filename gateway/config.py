@@ -198,6 +198,9 @@ class BackendConfig(Strict):
     interactive: bool = False
     weight: float = Field(1.0, gt=0)
     hints: LatencyHints = LatencyHints()
+    # Tokens one request may hold here (prompt + output): discovered from the engine when it says; this
+    # overrides it, or supplies it for an engine that does not.
+    max_context: int | None = Field(None, ge=1)
 
     @field_validator("models", mode="before")
     @classmethod

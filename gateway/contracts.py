@@ -94,6 +94,13 @@ class Decision(NamedTuple):
     reason: str
 
 
+# How one attempt on a backend ended, for every figure an operator reads: served; the client went away; the
+# request itself was at fault (a 4xx it caused); the engine failed (5xx, reset, timeout, mid-stream failure).
+# A request refused before any backend was tried is REJECTED (admission, no backend, rate limits).
+OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR, REJECTED = "ok", "client_left", "client_error", "engine_error", "rejected"
+RESULTS = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR, REJECTED)
+
+
 class Outcome(NamedTuple):
     """What happened to one request on one backend, fed back to policies and stats."""
 
@@ -108,6 +115,7 @@ class Outcome(NamedTuple):
     completion_tokens: int = 0
     cached_tokens: int = 0
     running_at_start: int = 0
+    result: str = OK  # one of RESULTS but REJECTED
 
 
 class Policy(Protocol):

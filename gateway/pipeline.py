@@ -11,7 +11,8 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import admit
-from gateway.contracts import Outcome, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall
+from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, ReplyTooLarge, RequestShape,
+                               RouteInput, UpstreamCall)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
@@ -184,7 +185,7 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
     session = g.session_enter(shape.session_id)  # found once, by classify
     t0 = time.perf_counter()
     reply = None
-    outcome_ok, engine_ok, status, meter = False, False, 502, None
+    outcome_ok, engine_ok, left, status, meter = False, False, False, 502, None
     usage: dict | None = None
     first_by = asyncio.get_running_loop().time() + first_byte_s
     try:
@@ -227,6 +228,9 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
     except Retryable as r:
         status = r.error.status
         raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status, left = 499, True  # the client went away (or the shutdown cut it)
+        raise
     finally:
         b.in_flight -= 1
         g.session_exit(session)
@@ -243,7 +247,8 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             e2e=time.perf_counter() - t0,
             prompt_tokens=int((usage or {}).get("prompt_tokens") or shape.prompt_tokens),
             completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
-            cached_tokens=_cached(usage), running_at_start=running_at_start)
+            cached_tokens=_cached(usage), running_at_start=running_at_start,
+            result=OK if outcome_ok else CLIENT_ERROR if engine_ok else CLIENT_LEFT if left else ENGINE_ERROR)
         g.record(b, shape, o, t_in, t0)
 
 
