@@ -281,7 +281,7 @@ def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
     with stats on, also each part alone. Minimum over `repeats` runs of `n` calls (the least disturbed)."""
     from gateway.config import parse_config
     from gateway.contracts import Outcome, RequestShape
-    from gateway.runtime import Gateway
+    from gateway.runtime import Gateway, build_policy
 
     def timed(fn) -> float:
         best = float("inf")
@@ -296,7 +296,7 @@ def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
     for enabled in (True, False):
         cfg = parse_config({"auth": {"enabled": False}, "stats": {"enabled": enabled, "warmup_samples": 0},
                             "backends": [{"id": "e", "engine": "openai", "url": "http://127.0.0.1:9",
-                                          "models": ["bench"]}]})
+                                          "models": ["bench"]}]}, build_policy)
         g = Gateway(cfg)
         b = g.make_backend(cfg.backends[0])
         g.pool.add(b)

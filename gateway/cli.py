@@ -1,17 +1,36 @@
-"""The `shapegate` command: serve | sim | demo | keys."""
+"""The `shapegate` command: serve | check | sim | demo | keys."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import getpass
+import importlib.metadata
 import logging
+import os
 import resource
 import signal
+import socket
 import sys
 
 from gateway.auth import hash_key, new_key
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, GatewayConfig, load_config
+
+
+def fail(message: str) -> SystemExit:
+    """A refusal the user can act on: one line on stderr and exit status 2, never a traceback."""
+    print(f"shapegate: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def read_config(path: str) -> GatewayConfig:
+    """The configuration file, validated completely (policies included); SystemExit(2) with the reason if not."""
+    from gateway.runtime import build_policy  # the gateway's own policies, which the file may name
+
+    try:
+        return load_config(path, build_policy)
+    except ConfigError as e:
+        raise fail(str(e)) from None
 
 
 async def serve_until_signal(cfg, host: str, port: int, config_path: str | None = None,
@@ -23,12 +42,15 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
     from gateway.pipeline import GATEWAY
     from gateway.reload import RELOADER
 
-    app = build_app(cfg, config_path)
+    try:
+        app = build_app(cfg, config_path)
+    except ValueError as e:  # a setting only checkable at start, e.g. the dashboard secret's variable
+        raise fail(str(e)) from None
     grace = cfg.server.shutdown_grace_s
     try:
         front = await start_serving(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
     except OSError as e:
-        raise SystemExit(f"shapegate: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
     logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -41,11 +63,7 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as e:
-        print(f"shapegate: {e}", file=sys.stderr)
-        return 2
+    cfg = read_config(args.config)
     import uvloop
 
     raise_file_limit()
@@ -55,8 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvloop.run(serve_until_signal(cfg, host, port, args.config))
         return 0
     if port == 0:
-        print("shapegate: --workers needs a fixed port (each worker binds it with SO_REUSEPORT)", file=sys.stderr)
-        return 2
+        raise fail("--workers needs a fixed port (each worker binds it with SO_REUSEPORT)")
+    check_listen(host, port)  # a taken port is one line here, not one refusal per worker
     from gateway.workers import run_workers
 
     def worker() -> int:
@@ -64,6 +82,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
 
     return run_workers(args.workers, worker)
+
+
+def os_reason(e: OSError) -> str:
+    """The system's short reason ("Address already in use"): asyncio wraps it in a longer sentence."""
+    if e.errno and not isinstance(e, socket.gaierror):
+        return os.strerror(e.errno)
+    return e.strerror or str(e)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind host:port as the workers will (SO_REUSEPORT), then let go; SystemExit(2) if that is refused."""
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                s.bind(addr)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
 
 
 def raise_file_limit() -> None:
@@ -100,6 +138,27 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from gateway import check
+
+    cfg = read_config(args.config)
+    return check.run(cfg, args.config, args.timeout)
+
+
+def _seconds(text: str) -> float:
+    t = float(text)
+    if not t > 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return t
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("shapegate")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from gateway.sim import main as sim_main
 
@@ -115,6 +174,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shapegate", description="One OpenAI-compatible endpoint in front of vLLM, "
                                 "SGLang and llama.cpp engines, routing each request by its shape.")
+    p.add_argument("--version", action="version", version=f"shapegate {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the gateway", description="Run the gateway from a TOML config file.")
@@ -124,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=_positive, default=1,
                    help="gateway processes sharing the port (SO_REUSEPORT); /metrics adds up all of them")
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("check", help="validate a config file and ask each backend once what it serves",
+                       description="Validate the configuration as serve does (exit 2 if invalid), then probe "
+                                   "each backend once: health, listed models, context window. Backends that "
+                                   "do not answer are reported but leave the exit status at 0.")
+    c.add_argument("--config", required=True, help="path to the TOML configuration")
+    c.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per engine request (default 10)")
+    c.set_defaults(func=cmd_check)
 
     k = sub.add_parser("keys", help="make API keys and their digests",
                        description="API keys are stored in config only as SHA-256 digests.")

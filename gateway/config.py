@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENGINES = ("vllm", "sglang", "llamacpp", "openai")
 CLASS_NAMES = ("long_output", "long_prompt", "interactive", "default")
+# What config.example.toml has instead of a digest: copying the example must not give a usable key.
+KEY_PLACEHOLDER = "run-shapegate-keys-new-and-put-its-sha256-here"
 
 
 class Strict(BaseModel):
@@ -46,8 +49,12 @@ class ApiKey(Strict):
     @classmethod
     def _hex_digest(cls, v: str) -> str:
         v = v.strip().lower()
+        if v == KEY_PLACEHOLDER:
+            raise ValueError("still the example's placeholder: run `shapegate keys new` and put the sha256 "
+                             "it prints here (the key itself goes to the client)")
         if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-            raise ValueError("must be the 64-character hex SHA-256 digest of the key")
+            raise ValueError("must be the 64-character hex SHA-256 digest of the key "
+                             "(`shapegate keys new` makes a key and prints its digest)")
         return v
 
 
@@ -99,7 +106,9 @@ class ModelRouting(Strict):
 
 
 class RoutingConfig(Strict):
-    policy: str = "least_loaded"
+    # The policy that routes by each request's shape: the reason to run the gateway, and the best of the four
+    # on a mixed workload (benchmarks/results/routing.md).
+    policy: str = "shape"
     params: dict[str, Any] = Field(default_factory=dict)
     max_attempts: int = Field(3, ge=1, le=10)
     retry_deadline_s: float = Field(30.0, gt=0)
@@ -267,30 +276,77 @@ class ConfigError(ValueError):
     """The configuration file is missing, not TOML, or not valid; the message names the field."""
 
 
-def _format_validation(err: ValidationError) -> str:
+# Builds the policy a name and its params describe; raises pydantic's ValidationError for bad params and
+# ValueError naming the known policies for an unknown name. The gateway layer supplies it
+# (gateway.runtime.build_policy): the configuration knows no policy of its own.
+PolicyFactory = Callable[[str, Mapping[str, Any]], object]
+
+
+def _error_lines(err: ValidationError, prefix: tuple[str, ...] = ()) -> list[str]:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        path = ".".join((*prefix, *(str(p) for p in e["loc"]))) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif e["type"] == "value_error":
+            msg = str(e.get("ctx", {}).get("error", msg))  # our own words, without pydantic's "Value error, "
         lines.append(f"  {path}: {msg}")
-    return "invalid configuration:\n" + "\n".join(lines)
+    return lines
 
 
-def parse_config(data: dict[str, Any]) -> GatewayConfig:
+def _invalid(lines: list[str]) -> ConfigError:
+    return ConfigError("invalid configuration:\n" + "\n".join(lines))
+
+
+def _policy_lines(name: str, params: Mapping[str, Any], where: tuple[str, ...],
+                  build: PolicyFactory) -> tuple[bool, list[str]]:
+    """(whether the policy exists, why `build` refuses it: empty when it accepts it)."""
     try:
-        return GatewayConfig.model_validate(data)
+        build(name, params)
     except ValidationError as e:
-        raise ConfigError(_format_validation(e)) from None
+        return True, _error_lines(e, (*where, "params"))
+    except ValueError as e:
+        return False, [f"  {'.'.join((*where, 'policy'))}: {e}"]
+    return True, []
 
 
-def load_config(path: str | Path) -> GatewayConfig:
+def check_policies(cfg: GatewayConfig, build: PolicyFactory) -> None:
+    """Every policy the routing section names exists and takes its params; raises ConfigError with their paths."""
+    r = cfg.routing
+    default_known, lines = _policy_lines(r.policy, r.params, ("routing",), build)
+    for model, m in r.models.items():
+        if m.policy is None and not default_known:
+            continue  # inherits the unknown routing.policy, reported once above
+        lines += _policy_lines(m.policy or r.policy, m.params, ("routing", "models", model), build)[1]
+    if lines:
+        raise _invalid(lines)
+
+
+def parse_config(data: dict[str, Any], policies: PolicyFactory) -> GatewayConfig:
+    """The validated configuration, its routing policies and their params included (`policies` builds them:
+    gateway.runtime.build_policy)."""
+    try:
+        cfg = GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        raise _invalid(_error_lines(e)) from None
+    check_policies(cfg, policies)
+    return cfg
+
+
+def load_config(path: str | Path, policies: PolicyFactory) -> GatewayConfig:
+    """The file at `path`, validated completely; ConfigError says why it cannot be used."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"configuration file not found: {p}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise ConfigError(f"cannot read configuration file {p}: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return parse_config(data)
+    return parse_config(data, policies)

@@ -11,6 +11,7 @@ from gateway.app import build_app
 from gateway.auth import hash_key, new_key
 from gateway.config import parse_config
 from gateway.front import start_serving
+from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
 
 MODEL = "qwen3-30b"
@@ -76,7 +77,8 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
             sims[bid] = await start_sim(SimOptions(engine=engine, model=native, profile=profile,
                                                    served_model_names=extra))
         key = new_key()
-        cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port))
+        cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port),
+                           build_policy)
         front = await start_serving(build_app(cfg), host, port)
         print(banner(f"http://{host}:{port}", key), flush=True)
         if ready is not None:

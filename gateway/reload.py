@@ -8,7 +8,6 @@ from pathlib import Path
 
 import orjson
 from aiohttp import web
-from pydantic import ValidationError
 
 from gateway.auth import Authenticator
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_config
@@ -66,16 +65,13 @@ def plan(old: GatewayConfig, new: GatewayConfig) -> ReloadPlan:
 def apply(g, new: GatewayConfig) -> ReloadPlan:
     """Build everything the new config needs, then swap it in with no await in between."""
     p = plan(g.cfg, new)
-    try:
-        auth = Authenticator(new.auth)
-        if new.routing != g.cfg.routing:
-            default_policy = build_policy(new.routing.policy, new.routing.params)
-            model_policies = {name: build_policy(m.policy or new.routing.policy, m.params)
-                              for name, m in new.routing.models.items()}
-        else:  # unchanged routing keeps the policies and what they learned
-            default_policy, model_policies = g.default_policy, g.model_policies
-    except (ValueError, ValidationError) as e:  # pydantic's ValidationError is a ValueError too
-        raise ConfigError(f"invalid routing configuration: {e}") from None
+    auth = Authenticator(new.auth)
+    if new.routing != g.cfg.routing:  # its policies were checked when the file was loaded
+        default_policy = build_policy(new.routing.policy, new.routing.params)
+        model_policies = {name: build_policy(m.policy or new.routing.policy, m.params)
+                          for name, m in new.routing.models.items()}
+    else:  # unchanged routing keeps the policies and what they learned
+        default_policy, model_policies = g.default_policy, g.model_policies
     old_cfg = g.cfg
     g.cfg = new  # adapters take their timeouts from g.cfg
     try:
@@ -117,7 +113,7 @@ class Reloader:
             raise ConfigError("the gateway was started without a configuration file")
         # A few kilobytes from local disk, read on an operator's action: not worth a thread.
         try:
-            new = load_config(self.path)
+            new = load_config(self.path, build_policy)
             p = apply(self.g, new)
         except ConfigError as e:
             self.g.metrics.reload("refused")

@@ -13,6 +13,7 @@ from gateway.auth import hash_key
 from gateway.config import parse_config
 from gateway.front import Front, start_serving
 from gateway.pipeline import GATEWAY
+from gateway.runtime import build_policy
 
 USER_KEY = "sk-test-user-key"
 ADMIN_KEY = "sk-test-admin-key"
@@ -51,7 +52,7 @@ class RunningGateway:
 
 
 async def start_gateway(cfg: dict[str, Any], wait_ready: bool = True, timeout: float = 10.0) -> RunningGateway:
-    app = build_app(parse_config(cfg))
+    app = build_app(parse_config(cfg, build_policy))
     gw = RunningGateway(await start_serving(app, "127.0.0.1", 0))
     if wait_ready:
         deadline = time.monotonic() + timeout

@@ -32,6 +32,10 @@ CHROMIUM_FLAGS = (
 # Every element a test may read carries data-testid; data-value holds the raw number behind the text.
 READ_JS = """Object.fromEntries(Array.from(document.querySelectorAll('[data-testid]'), e =>
   [e.dataset.testid, {text: e.textContent.trim(), value: e.dataset.value ?? null, hidden: e.hidden}]))"""
+BOXES_JS = """Object.fromEntries(Array.from(document.querySelectorAll('[data-testid]'), e => {
+  const r = e.getBoundingClientRect();
+  return [e.dataset.testid, {x: r.x, y: r.y, width: r.width, height: r.height}];
+}))"""
 LIVE_JS = """document.documentElement.dataset.feed === 'live' &&
   document.querySelector('[data-testid^="ttft_p50:"]:not([data-value=""])') !== null"""
 
@@ -150,6 +154,14 @@ class Page:
     async def read(self) -> dict[str, dict[str, Any]]:
         return await self.evaluate(READ_JS)
 
+    async def boxes(self) -> dict[str, dict[str, float]]:
+        """The rendered box (x, y, width, height in CSS pixels) of every data-testid element."""
+        return await self.evaluate(BOXES_JS)
+
+    async def resize(self, width: int, height: int) -> None:
+        await self.call("Emulation.setDeviceMetricsOverride",
+                        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+
     async def screenshot(self, out_png: Path) -> None:
         result = await self.call("Page.captureScreenshot", {"format": "png"}, timeout=20.0)
         out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -221,8 +233,7 @@ async def open_page(*, width: int = 1440, height: int = 900) -> AsyncIterator[Pa
                     page.session_id = attached["sessionId"]
                     for domain in ("Page.enable", "Runtime.enable", "Log.enable", "Network.enable"):
                         await page.call(domain)
-                    await page.call("Emulation.setDeviceMetricsOverride",
-                                    {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+                    await page.resize(width, height)
                     yield page
                     # The browser may drop the socket before answering; either way it is exiting.
                     with suppress(CDPError, TimeoutError):

@@ -1,4 +1,5 @@
-"""Dashboard end to end: a real browser on a real gateway in front of simulated engines under live traffic."""
+"""Dashboard end to end: a real browser on a real gateway in front of simulated engines under live traffic, and
+the sign-in page's layout."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import pytest
 import gateway.app
 from gateway.sim.faults import FaultSpec
 from gateway.sim.runner import SimOptions, SimServer, start_sim
-from tests.fake_engine import free_port
+from tests.fake_engine import FakeEngine, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
 from tests.integration.browser import FormLogin, chromium_available, open_page, screenshot_and_read
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "dashboard.png"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SCREENSHOT = RESULTS / "dashboard.png"
+LOGIN_SCREENSHOT = RESULTS / "login.png"
 BACKENDS = ("vllm-1", "sglang-1", "llama-1")
 LONG_PROMPT = "Summarise the following report section by section, keeping every figure. " * 60
 # class -> (prompt, max output tokens, session header?)
@@ -172,3 +175,52 @@ async def test_browser_flags_a_failing_feed_as_stale(chromium: None, live: Live)
         banner = (await page.read())["stale"]
     assert banner["hidden"] is False
     assert "STALE" in banner["text"] and "503" in banner["text"]
+
+
+# Loaded with its stylesheet: boxes measured before the CSS applies would be the unstyled page's.
+SIGNED_OUT_PAGE = "document.readyState === 'complete' && document.querySelector('[data-testid=\"{}\"]') !== null"
+
+
+def overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return (a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"]
+            and a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"])
+
+
+def check_sign_in_layout(boxes: dict[str, dict[str, float]], viewport_width: int) -> None:
+    """Title, notice and form stacked without overlapping; a key field and button wide enough to use."""
+    title, form, key, submit = (boxes[k] for k in ("login-title", "login-form", "login-key", "login-submit"))
+    assert title["width"] >= 150 and key["width"] >= 200 and key["height"] >= 24, (title, key)
+    assert submit["width"] >= 80, submit
+    stacked = [title, *([boxes["login-error"]] if "login-error" in boxes else []), form]
+    for upper, lower in zip(stacked, stacked[1:]):
+        assert not overlap(upper, lower) and upper["y"] + upper["height"] <= lower["y"], (upper, lower)
+    for part in (key, submit):  # inside the form, inside the viewport
+        assert form["x"] <= part["x"] and part["x"] + part["width"] <= form["x"] + form["width"] + 0.5
+        assert 0 <= part["x"] and part["x"] + part["width"] <= viewport_width
+
+
+async def test_sign_in_page_is_laid_out_and_says_why_a_key_failed(chromium: None) -> None:
+    engine = await FakeEngine().start()
+    gw = await start_gateway(gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m"]}]))
+    try:
+        async with open_page(width=1280, height=800) as page:
+            await page.navigate(gw.url + "/dashboard")
+            await page.wait_for(SIGNED_OUT_PAGE.format("login-key"))
+            check_sign_in_layout(await page.boxes(), 1280)
+            assert page.errors == []
+            await page.screenshot(LOGIN_SCREENSHOT)
+            # A key that is not an admin's: the same page again, with the reason above the form.
+            await page.evaluate(f"document.querySelector('[data-testid=\"login-key\"]').value = "
+                                f"{USER_KEY!r}; document.querySelector('form').submit(); true")
+            await page.wait_for(SIGNED_OUT_PAGE.format("login-error"))
+            boxes = await page.boxes()
+            assert "not an admin key" in (await page.read())["login-error"]["text"]
+            check_sign_in_layout(boxes, 1280)
+            await page.resize(360, 640)  # a phone: the card narrows, the field stays usable
+            check_sign_in_layout(await page.boxes(), 360)
+            assert [e for e in page.errors if "401" not in e] == []  # the refused key's own 401 only
+    finally:
+        await gw.stop()
+        await engine.stop()
+    png = LOGIN_SCREENSHOT.read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5_000

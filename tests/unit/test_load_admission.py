@@ -13,6 +13,7 @@ from gateway.config import AdmissionConfig, parse_config
 from gateway.contracts import LoadSample
 from gateway.errors import GatewayError
 from gateway.reload import plan
+from gateway.runtime import build_policy
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -107,7 +108,7 @@ def test_admit_filters_and_refuses_with_retry_after_when_all_saturated():
 
 
 def _cfg(backends, **extra):
-    return parse_config({"auth": {"enabled": False}, "backends": backends, **extra})
+    return parse_config({"auth": {"enabled": False}, "backends": backends, **extra}, build_policy)
 
 
 A = {"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}
