@@ -22,6 +22,19 @@ class LlamaCppBackend(OpenAIHTTPBackend):
     }
     needs_max_tokens = True
     done_after_error = False
+    props_path = "/props"
+
+    async def context_window(self, model: str, timeout: float) -> int | None:
+        """The per-slot context (-c split over --parallel): what one request may hold here."""
+        status, body = await self._get(self.props_path, timeout)
+        if status != 200:
+            return None
+        try:
+            settings = orjson.loads(body).get("default_generation_settings")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        n = settings.get("n_ctx") if isinstance(settings, dict) else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     async def sample_load(self, timeout: float) -> LoadSample | None:
         # /slots is on by default; /metrics only with --metrics, so either may be missing.

@@ -147,6 +147,20 @@ class OpenAIHTTPBackend:
         except orjson.JSONDecodeError:
             return f"HTTP {status}"
 
+    async def context_window(self, model: str, timeout: float) -> int | None:
+        """Tokens one request may hold, as the engine says it (the model card's max_model_len), or None."""
+        status, body = await self._get("/v1/models", timeout)
+        if status != 200:
+            return None
+        try:
+            data = orjson.loads(body).get("data")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        cards = [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+        card = next((c for c in cards if c.get("id") == model), cards[0] if len(cards) == 1 else None)
+        n = card.get("max_model_len") if card is not None else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
     async def sample_load(self, timeout: float) -> LoadSample | None:
         if not self.metrics_path:
             return None

@@ -40,8 +40,8 @@ POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "shape")
 PORTFOLIO = (("vllm", "vllm", "r9700-vllm", False), ("sglang", "sglang", "r9700-sglang", False),
              ("llama-vk", "llamacpp", "r9700-llamacpp-vulkan", True),
              ("llama-hip", "llamacpp", "r9700-llamacpp-hip", False))
-LOADS = {"low": W.Load("low", generation=0.08, summarization=0.15, agent=0.15, sessions=0.08),
-         "high": W.Load("high", generation=0.4, summarization=0.6, agent=0.6, sessions=0.3)}
+LOADS = {"low": W.Load("low", generation=0.08, summarization=0.15, agent=0.15, sessions=0.08, long_chat=0.03),
+         "high": W.Load("high", generation=0.4, summarization=0.6, agent=0.6, sessions=0.3, long_chat=0.08)}
 WARMUP = W.Kind("warmup", 200, 16, 99.0, 99.0)
 WARMUP_REQUESTS = 16
 WARMUP_SPACING_S = 0.4
@@ -75,8 +75,20 @@ async def _sims(ports: list[int]) -> None:
 def serve_gateway(cfg: dict, port: int) -> None:
     from gateway.cli import serve_until_signal
     from gateway.config import parse_config
+    from gateway.runtime import build_policy
 
-    uvloop.run(serve_until_signal(parse_config(cfg), "127.0.0.1", port))
+    uvloop.run(serve_until_signal(parse_config(cfg, build_policy), "127.0.0.1", port))
+
+
+def context_windows() -> dict[str, int]:
+    """Tokens one request may hold on each engine of the portfolio (llama.cpp: one slot's share of -c)."""
+    from gateway.sim.options import SimOptions
+
+    out = {}
+    for bid, engine, profile, _ in PORTFOLIO:
+        p = SimOptions(engine=engine, profile=profile).resolve_profile()
+        out[bid] = p.slot_ctx() if engine == "llamacpp" else p.max_model_len
+    return out
 
 
 def gateway_config(policy: str, sim_ports: list[int]) -> dict:
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         runs += uvloop.run(one_repeat(ctx, r, args.loads, args.window, args.drain))
         print(f"repeat {r + 1}/{args.repeats} done after {time.time() - t_start:.0f} s", file=sys.stderr)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "windows": context_windows(),
             "repeats": args.repeats, "window_s": args.window, "drain_s": args.drain,
             "loads": {k: vars(LOADS[k]) for k in args.loads}, "portfolio": PORTFOLIO,
             "kinds": {k.name: vars(k) for k in W.KINDS}, "elapsed_s": round(time.time() - t_start, 1),

@@ -9,7 +9,7 @@ from collections import Counter
 from benchmarks import routing_workload as W
 
 KIND_BY_NAME = {k.name: k for k in W.KINDS}
-CLASS_ORDER = ("generation", "summarization", "agent", "interactive")
+CLASS_ORDER = ("generation", "summarization", "agent", "interactive", "long_chat")
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -51,6 +51,8 @@ def run_figures(run: dict) -> dict:
         "throughput_tps": tokens / run["wall_s"],
         "censored": sum(r["censored"] for r in recs),
         "errors": sum(1 for r in recs if not r["ok"] and not r["censored"]),
+        # A request refused as too long although some engine of the portfolio holds it fails a policy.
+        "too_long": sum(1 for r in recs if r.get("status") == 400),
     }
     return out
 
@@ -70,7 +72,8 @@ def summarize(runs: list[dict], loads: list[str], policies: tuple[str, ...]) -> 
         for policy in policies:
             figs = [run_figures(r) for r in runs if r["load"] == load and r["policy"] == policy]
             entry = {"overall": {m: agg([f["overall"][m] for f in figs])
-                                 for m in ("e2e_mean", "slo", "throughput_tps", "censored", "errors", "n")},
+                                 for m in ("e2e_mean", "slo", "throughput_tps", "censored", "errors", "too_long",
+                                           "n")},
                      "classes": {}}
             for kind in CLASS_ORDER:
                 rows = [f["classes"][kind] for f in figs if kind in f["classes"]]
@@ -126,6 +129,8 @@ def markdown(meta: dict, summary: dict, loads: list[str], policies: tuple[str, .
         "",
         "Portfolio (gateway backend id: sim profile): "
         + ", ".join(f"`{b}`: {p}{' (interactive = true)' if i else ''}" for b, _, p, i in meta["portfolio"]) + ".",
+        "Context windows (tokens one request may hold): "
+        + ", ".join(f"`{b}` {n:,}" for b, n in meta.get("windows", {}).items()) + ".",
         "",
         "| class | prompt tokens | output tokens | SLO |",
         "|---|---|---|---|",
@@ -139,15 +144,19 @@ def markdown(meta: dict, summary: dict, loads: list[str], policies: tuple[str, .
     for load in loads:
         rates = meta["loads"][load]
         lines += ["", f"## {load} load: generation {rates['generation']}/s, summarization {rates['summarization']}/s, "
-                  f"agent {rates['agent']}/s, sessions {rates['sessions']}/s",
+                  f"agent {rates['agent']}/s, sessions {rates['sessions']}/s, long chats {rates.get('long_chat', 0)}/s",
                   "", "Median of the repeats, ± half the spread (max - min) / median.", "",
-                  "| policy | e2e mean | SLO attainment | output tok/s | requests | cut at drain | errors |",
+                  "| policy | e2e mean | SLO attainment | output tok/s | requests | cut at drain | failed |",
                   "|---|---|---|---|---|---|---|"]
         for p in policies:
             o = summary[f"{load}/{p}"]["overall"]
             lines.append(f"| {p} | {_m(o['e2e_mean'], unit=' s')} | {_m(o['slo'], 100, 1, ' %')} | "
                          f"{_m(o['throughput_tps'], digits=0)} | {o['n']['median']:.0f} | "
                          f"{o['censored']['median']:.0f} | {o['errors']['median']:.0f} |")
+        failed = {p: summary[f"{load}/{p}"]["overall"] for p in policies}
+        lines += ["", "Failed requests, all repeats: " + ", ".join(
+            f"{p} {sum(o['errors']['values']):.0f} (400 too long: {sum((o.get('too_long') or {'values': [0]})['values']):.0f})"
+            for p, o in failed.items()) + "."]
         lines += ["", "Per repeat (repeat 1 / 2 / 3; the policies of one repeat ran side by side):", ""]
         for p in policies:
             o = summary[f"{load}/{p}"]["overall"]

@@ -29,7 +29,9 @@ GENERATION = Kind("generation", 110, 1000, 2.0, 0.05)
 SUMMARIZATION = Kind("summarization", 1010, 100, 2.0, 0.05)
 AGENT = Kind("agent", 2100, 150, 2.0, 0.05)
 INTERACTIVE = Kind("interactive", 300, 120, 1.0, 0.05)  # prompt: first turn; it grows by each turn
-KINDS = (GENERATION, SUMMARIZATION, AGENT, INTERACTIVE)
+# A long chat history: more than a llama.cpp slot holds (8,192 of -c 32768 over 4 slots), well within 32k.
+LONG_CHAT = Kind("long_chat", 12000, 200, 8.0, 0.05)
+KINDS = (GENERATION, SUMMARIZATION, AGENT, INTERACTIVE, LONG_CHAT)
 AGENT_SYSTEM_PROMPTS = 3
 SESSION_TURNS = 4
 USER_TURN_TOKENS = 60
@@ -45,6 +47,7 @@ class Load:
     summarization: float
     agent: float
     sessions: float
+    long_chat: float = 0.0
 
 
 @dataclass
@@ -91,6 +94,9 @@ def schedule(load: Load, duration_s: float, seed: int) -> list[Arrival]:
                        turn_texts=[words(rng, USER_TURN_TOKENS) for _ in range(SESSION_TURNS)])
 
     poisson(load.sessions, session)
+    poisson(load.long_chat, lambda t: Arrival(t, LONG_CHAT, body(LONG_CHAT, [
+        {"role": "system", "content": "Continue the conversation."},
+        {"role": "user", "content": words(rng, LONG_CHAT.prompt_tokens - 20)}])))
     out.sort(key=lambda a: a.at)
     return out
 

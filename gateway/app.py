@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -24,6 +25,8 @@ from gateway.pipeline import GATEWAY, Exchange, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.runtime import Gateway, stats_report
 from gateway.state import shared_state
+from gateway.stats_merge import fold_counters, replicas_report, take_summary
+from gateway.stats_share import share_loop
 
 log = logging.getLogger("shapegate")
 
@@ -38,7 +41,7 @@ def _error_response(err: GatewayError, request_id: str) -> web.Response:
 async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
     """An API request: request id and API key first, then the pipeline (whose first step, reading the body,
     raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
-    gets exactly one access-log line however it ends."""
+    gets exactly one access-log line however it ends (and a refusal is counted there, as REJECTED)."""
     headers = ex.headers
     st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next())
     status = 500
@@ -49,8 +52,6 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         return resp
     except GatewayError as err:
         status = err.status
-        if status in (503, 429):
-            g.metrics.reject(status)
         headers = _error_headers(err, st.request_id)
         # Where the request went (empty: no backend was tried) and why, as on every reply.
         headers["x-shapegate-backend"] = st.backend
@@ -60,7 +61,7 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         status = 499  # the client went away first (noticed while waiting, or on writing to it)
         raise
     finally:
-        g.log_request(st, status)
+        g.finish(st, status)
 
 
 def guarded(handler, *, key: bool = True):
@@ -132,7 +133,12 @@ async def stats(request: web.Request) -> web.Response:
     # An admin key, or the dashboard's signed sign-in cookie.
     if session_principal(request, request.app[DASHBOARD_SECRET]) is None:
         g.auth.require_admin(request.headers)
-    return web.Response(body=orjson.dumps(stats_report(g)), content_type="application/json")
+    scope = request.query.get("scope", "group")
+    if scope not in ("group", "replicas"):
+        raise GatewayError(400, "scope must be `group` (this replica's workers) or `replicas` (every replica "
+                           "sharing the Redis store).", param="scope", code="invalid_scope")
+    report = stats_report(g) if scope == "group" else replicas_report(g)
+    return web.Response(body=orjson.dumps(report), content_type="application/json")
 
 
 SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
@@ -180,12 +186,19 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
                                  name="probe-loop"),
              asyncio.create_task(load_loop(g.pool, lambda: g.cfg.health), name="load-loop"),
              asyncio.create_task(_flush_loop(g), name="log-flush")]
+    # Other workers and replicas read this process's stats summary; it is published off the request path.
+    stop_sharing = asyncio.Event()
+    sharing = (asyncio.create_task(share_loop(g.sharing, lambda: take_summary(g), stop_sharing), name="stats-share")
+               if g.sharing.active else None)
     yield
     for t in tasks:
         t.cancel()
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
+    if sharing is not None:
+        stop_sharing.set()
+        await sharing  # ends within one store round trip (each bounded by redis_timeout_s)
     g.access_log.close()
 
 
@@ -193,6 +206,7 @@ async def _flush_loop(g: Gateway) -> None:
     while True:
         await asyncio.sleep(0.2)
         g.access_log.flush()
+        fold_counters(g, time.monotonic())  # breaker openings reach /metrics within 0.2 s
         g.metrics.refresh()  # with several workers: this one's pool view, for whichever answers a scrape
 
 

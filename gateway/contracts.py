@@ -33,6 +33,7 @@ class RequestShape(NamedTuple):
     principal: str = "anonymous"
     session_id: str | None = None
     prefix_hashes: tuple[int, ...] = ()  # chained block hashes of the prompt, in order
+    max_output: int | None = None  # the output cap the client asked for, if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,12 +25,14 @@ SUPERVISE_S = 0.25
 class Breaker:
     """Opens after consecutive failures or on an engine's Retry-After; half-open lets one trial through."""
 
-    __slots__ = ("threshold", "open_s", "failures", "opened_until", "trial_in_flight", "last_failure", "_state")
+    __slots__ = ("threshold", "open_s", "failures", "opened_until", "trial_in_flight", "last_failure", "_state",
+                 "openings")
 
     def __init__(self, threshold: int, open_s: float) -> None:
         self.threshold = threshold
         self.open_s = open_s
         self.failures = 0
+        self.openings = 0  # times it went from letting requests through to open (a failed trial included)
         self.opened_until = 0.0
         self.trial_in_flight = False
         self.last_failure = float("-inf")
@@ -68,6 +70,8 @@ class Breaker:
         self.failures += 1
         self.last_failure = now
         if hold_s is not None or self._state == HALF_OPEN or self.failures >= self.threshold:
+            if self._state != OPEN or now >= self.opened_until:  # a failure while already open is no new opening
+                self.openings += 1
             self._state = OPEN
             # A longer hold already in force (an engine's Retry-After) is never shortened by a later failure.
             self.opened_until = max(self.opened_until, now + (hold_s if hold_s is not None else self.open_s))
@@ -181,9 +185,12 @@ async def watch(pool, b, health_cfg: Callable[[], HealthConfig], on_change=None)
 
 
 async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None) -> None:
-    if b.health.promotes(r, cfg) and cfg.warmup:
-        # Warm up before taking traffic: an engine's first requests are slow, and should not be a client's.
-        await b.warm_up(cfg.warmup_timeout_s)
+    if b.health.promotes(r, cfg):
+        # Before taking traffic: how long a request it holds (a restart may have changed it), and a warm-up,
+        # since an engine's first requests are slow and should not be a client's.
+        await b.discover_windows(cfg.timeout_s)
+        if cfg.warmup:
+            await b.warm_up(cfg.warmup_timeout_s)
     new = b.health.on_probe(r, cfg, time.monotonic())
     if new is None:
         return

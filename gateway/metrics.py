@@ -15,6 +15,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway.contracts import OK, REJECTED
+
 # LLM latencies span milliseconds (ITL) to minutes (long generations).
 TTFT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
@@ -221,8 +223,10 @@ class Metrics:
             lean.append(LeanCounter(name, doc, labels))
             return lean[-1]
 
-        self.requests = counter("shapegate_requests", "Requests answered, by backend and status",
-                                ["backend", "model", "class", "status"])
+        # One per attempt on a backend, and one per request the gateway refused before trying any (backend "",
+        # outcome "rejected"); outcome is one of gateway.contracts.RESULTS.
+        self.requests = counter("shapegate_requests", "Attempts by backend, status and outcome, and refused "
+                                "requests", ["backend", "model", "class", "status", "outcome"])
         self.ttft = histogram("shapegate_ttft_seconds", "Time to first token measured by the gateway",
                               ["backend", "class"], TTFT_BUCKETS)
         self.itl = histogram("shapegate_itl_seconds", "Inter-token latency measured by the gateway",
@@ -238,6 +242,8 @@ class Metrics:
         self.affinity_lookups = counter("shapegate_prefix_affinity", "Prefix/session affinity lookups",
                                         ["result"])
         self.retries = counter("shapegate_upstream_retries", "Failovers to another backend", ["backend"])
+        self.breaker_openings = counter("shapegate_breaker_openings", "Times a backend's circuit breaker opened",
+                                        ["backend"])
         self.client_errors = counter("shapegate_upstream_client_errors", "4xx answers relayed from engines",
                                      ["backend", "status"])
         self.rejected = counter("shapegate_rejected", "Requests refused by the gateway itself", ["status"])
@@ -260,21 +266,25 @@ class Metrics:
         self._decisions: dict[tuple[str, str, str], object] = {}
         self._by_reason: dict[tuple[str, str, str], object] = {}
         self._kinds: set[str] = set()
+        self._kind_of: dict[tuple[str, str], str] = {}
+        self.failovers: dict[str, int] = {}  # per backend since start, for /stats (folded into its windows)
         self._affinity = (self.affinity_lookups.labels("miss"), self.affinity_lookups.labels("hit"))
 
-    def _request_children(self, backend: str, model: str, klass: str, status: int) -> tuple:
-        key = (backend, model, klass, status)
+    def _request_children(self, backend: str, model: str, klass: str, status: int, result: str) -> tuple:
+        key = (backend, model, klass, status, result)
         c = self._children.get(key)
         if c is None:
             c = self._children[key] = (
-                self.requests.labels(backend, model, klass, str(status)), self.ttft.labels(backend, klass),
+                self.requests.labels(backend, model, klass, str(status), result), self.ttft.labels(backend, klass),
                 self.itl.labels(backend, klass), self.e2e.labels(backend, klass),
                 self.prompt_tokens.labels(backend), self.completion_tokens.labels(backend))
         return c
 
     def observe(self, backend: str, model: str, klass: str, status: int, ttft: float | None,
-                itl: float | None, e2e: float, prompt: int, completion: int, overhead: float) -> None:
-        req, h_ttft, h_itl, h_e2e, c_prompt, c_completion = self._request_children(backend, model, klass, status)
+                itl: float | None, e2e: float, prompt: int, completion: int, overhead: float,
+                result: str = OK) -> None:
+        req, h_ttft, h_itl, h_e2e, c_prompt, c_completion = self._request_children(backend, model, klass, status,
+                                                                                   result)
         req.inc()
         if ttft is not None:
             h_ttft.observe(ttft)
@@ -287,9 +297,10 @@ class Metrics:
             c_completion.inc(completion)
         self._overhead.observe(overhead)
 
-    def count(self, backend: str, model: str, klass: str, status: int, prompt: int, completion: int) -> None:
+    def count(self, backend: str, model: str, klass: str, status: int, prompt: int, completion: int,
+              result: str = OK) -> None:
         """observe() without the histograms: what stays on when stats upkeep is switched off."""
-        req, _, _, _, c_prompt, c_completion = self._request_children(backend, model, klass, status)
+        req, _, _, _, c_prompt, c_completion = self._request_children(backend, model, klass, status, result)
         req.inc()
         if prompt:
             c_prompt.inc(prompt)
@@ -305,13 +316,23 @@ class Metrics:
                 self._by_reason[(policy, backend, reason)] = c
         c.inc()
 
-    def _decision_child(self, policy: str, backend: str, reason: str):
+    def reason_kind(self, policy: str, reason: str) -> str:
+        """The reason's first word as the `reason` label has it: at most MAX_REASON_KINDS kinds, then "other"."""
+        kind = self._kind_of.get((policy, reason))
+        if kind is not None:
+            return kind
         kind = reason_kind(policy, reason)
         if kind not in self._kinds:
             if len(self._kinds) >= MAX_REASON_KINDS:
                 kind = "other"  # a policy that puts numbers in its first word must not explode the series
             else:
                 self._kinds.add(kind)
+        if len(self._kind_of) < MAX_CACHED_REASONS:
+            self._kind_of[(policy, reason)] = kind
+        return kind
+
+    def _decision_child(self, policy: str, backend: str, reason: str):
+        kind = self.reason_kind(policy, reason)
         key = (policy, backend, kind)
         c = self._decisions.get(key)
         if c is None:
@@ -323,6 +344,10 @@ class Metrics:
 
     def retry(self, backend: str) -> None:
         self.retries.labels(backend).inc()
+        self.failovers[backend] = self.failovers.get(backend, 0) + 1
+
+    def breaker_opened(self, backend: str, times: int) -> None:
+        self.breaker_openings.labels(backend).inc(times)
 
     def client_error(self, backend: str, status: int) -> None:
         self.client_errors.labels(backend, str(status)).inc()
@@ -337,7 +362,14 @@ class Metrics:
         self.reloads.labels(result).inc()
 
     def reject(self, status: int) -> None:
+        """A request the front refused before it reached the gateway's pipeline (malformed, too large, too slow)."""
         self.rejected.labels(str(status)).inc()
+
+    def refuse(self, status: int, model: str, klass: str) -> None:
+        """A request refused before any backend was tried (admission, no backend, rate limit): `model` is a
+        served model or "" (never a client's free text), `klass` a request class or ""."""
+        self.rejected.labels(str(status)).inc()
+        self.requests.labels("", model, klass, str(status), REJECTED).inc()
 
     def log_drop(self, lines: int) -> None:
         self.log_dropped.inc(lines)

@@ -11,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admission import admit
+from gateway.context import fitting
 from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, ReplyTooLarge, RequestShape,
                                RouteInput, UpstreamCall)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
@@ -100,6 +101,7 @@ async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
     candidates = g.pool.candidates(shape.model, shape.klass, now)
     if not candidates:
         raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
+    candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
     candidates = admit(candidates, shape.model, shape.klass, now, g.cfg.admission)
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
@@ -125,6 +127,7 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
     last_error: GatewayError | None = None
     failed: list[str] | None = None  # made on the first failure: the common path allocates nothing
     suspect = None  # a backend that answered HTTP 500: charged only if another engine then serves the request
+    outgrown = 0  # the largest context window that refused this request as too long
     tried = 0
     ranked = decision.ranked
     for i, view in enumerate(ranked):
@@ -133,6 +136,9 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
         b = g.pool.get(view.id)
         if b is None or not b.usable(time.monotonic()):
             continue
+        window = b.window(shape.model)
+        if outgrown and window is not None and window <= outgrown:
+            continue  # no larger than one that refused it: it would refuse it too
         tried += 1
         first_byte_s = cfg.upstream.first_byte_timeout_s
         if class_ttft is not None and tried < max_attempts and _another_usable(g, ranked, i):
@@ -157,12 +163,32 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
                     raise r.error from None  # two engines fail this request the same way: it is the request
                 suspect = b
             continue
+        except GatewayError as err:
+            # Too long for this engine after all (the prompt estimate has no tokenizer): a larger window may
+            # still hold it, and the estimate learns. The engine answered properly; nothing is charged.
+            if err.code != "context_length_exceeded" or window is None or not _larger(g, shape, ranked, i, window):
+                raise
+            g.prompt_sizer.learn_refusal(shape, err, window)
+            outgrown, last_error = window, err
+            failed = [b.id] if failed is None else [*failed, b.id]
+            g.metrics.retry(b.id)
+            continue
         if suspect is not None:
             suspect.breaker.on_failure(time.monotonic())  # another engine served what this one gave a 500 for
         return resp
     if last_error is not None:
         raise last_error
     raise no_backend(shape.model, g.pool.retry_hint(shape.model, time.monotonic()))
+
+
+def _larger(g, shape: RequestShape, ranked, i: int, window: int) -> bool:
+    """Whether a later candidate has a larger (or unknown) context window than `window`."""
+    now = time.monotonic()
+    for v in ranked[i + 1:]:
+        b = g.pool.get(v.id)
+        if b is not None and b.usable(now) and (b.window(shape.model) or window + 1) > window:
+            return True
+    return False
 
 
 def _another_usable(g, ranked, i: int) -> bool:
@@ -231,6 +257,10 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
     except (asyncio.CancelledError, ConnectionResetError):
         status, left = 499, True  # the client went away (or the shutdown cut it)
         raise
+    except GatewayError as e:
+        if e.status < 500:
+            status, engine_ok = e.status, True  # (an in-band error event the request caused)
+        raise
     finally:
         b.in_flight -= 1
         g.session_exit(session)
@@ -240,6 +270,9 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             b.breaker.on_success(started)
         else:
             b.breaker.release()  # no verdict (client left, a 500 still under judgement): free a half-open trial
+        n_prompt = (usage or {}).get("prompt_tokens")
+        if isinstance(n_prompt, int):
+            g.prompt_sizer.observe(shape.model, shape.prompt_tokens, n_prompt)
         st.outcome = o = Outcome(
             backend=b.id, shape=shape, ok=outcome_ok, status=status,
             ttft=(meter.t_first - t0) if meter and meter.t_first is not None else None,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Iterable
+
+import aiohttp
 
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.contracts import READY, BackendView, LoadSample
 from gateway.health import Breaker, HealthState
 from gateway.stats import BackendStats, LatencyModel
+
+log = logging.getLogger("shapegate")
 
 
 class BackendState:
@@ -32,6 +37,28 @@ class BackendState:
         self.stats = BackendStats(gcfg.stats.max_samples)
         self.next_probe = 0.0
         self._load_stale_s = gcfg.health.load_stale_s
+        self.windows: dict[str, int] = {}  # public model -> context window the engine reported
+
+    def window(self, model: str) -> int | None:
+        """Tokens one request for `model` may hold here: the configured max_context, else what the engine
+        said, else unknown (None: any request may be sent)."""
+        return self.cfg.max_context or self.windows.get(model)
+
+    async def discover_windows(self, timeout: float) -> None:
+        """Ask the engine its context window for each model it serves (at readiness: a restart may change it)."""
+        ask = getattr(self.adapter, "context_window", None)
+        if ask is None or self.cfg.max_context:
+            return
+        for public, native in self.models.items():
+            try:
+                n = await ask(native, timeout)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+                log.info("context window of %s for %s unknown: %s", self.id, public, type(e).__name__)
+                continue
+            if n is not None:
+                self.windows[public] = n
+            else:
+                self.windows.pop(public, None)
 
     def usable(self, now: float) -> bool:
         return self.health.state == READY and self.breaker.allows(now)
@@ -105,6 +132,11 @@ class Pool:
             if b.usable(now) and (b.classes is None or klass in b.classes):
                 out.append(b)
         return out
+
+    def largest_window(self, model: str) -> int | None:
+        """The largest context window among every backend of `model`, usable now or not (None: one is unknown)."""
+        windows = [b.window(model) for b in self._by_model.get(model, ())]
+        return None if not windows or None in windows else max(windows)
 
     def retry_hint(self, model: str, now: float) -> int:
         """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening."""

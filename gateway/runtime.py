@@ -17,13 +17,16 @@ import backends
 import policies
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.contracts import Outcome, Policy, RequestShape
+from gateway.context import PromptSizer
+from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
 from gateway.headers import safe_value
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestState
 from gateway.pool import BackendState, Pool
 from gateway.state import AffinityIndex
-from gateway.stats import OutputEstimator
+from gateway.stats import OutputEstimator, Tally
+from gateway.stats_merge import group_report
+from gateway.stats_share import Sharing
 
 SAFE_UPSTREAM_HEADERS = ("content-type",)
 MAX_PENDING_LINES = 50_000  # access-log lines held while stdout does not take them; the oldest go first
@@ -31,10 +34,12 @@ log = logging.getLogger("shapegate")
 
 
 def build_policy(name: str, params: Mapping[str, Any]) -> Policy:
-    try:
-        cls, params_model = policies.REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(policies.REGISTRY))}") from None
+    """The routing policy `name` with its params. Also what gateway.config checks a configuration's policies
+    with, so that an unknown name or a bad param is refused with its field's path when the file is loaded."""
+    entry = policies.REGISTRY.get(name)
+    if entry is None:
+        raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(sorted(policies.REGISTRY))}")
+    cls, params_model = entry
     return cls(params_model.model_validate(dict(params)))
 
 
@@ -133,7 +138,11 @@ class Gateway:
         self.pool = Pool([])
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
+        self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
+        # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
+        self.tally = Tally()
+        self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
@@ -204,9 +213,10 @@ class Gateway:
                             slots=load.total_slots if load is not None else None)
             b.stats.add(o, now)
             self.metrics.observe(b.id, shape.model, shape.klass, o.status, o.ttft, o.itl, o.e2e,
-                                 o.prompt_tokens, o.completion_tokens, t_upstream - t_in)
+                                 o.prompt_tokens, o.completion_tokens, t_upstream - t_in, o.result)
         else:
-            self.metrics.count(b.id, shape.model, shape.klass, o.status, o.prompt_tokens, o.completion_tokens)
+            self.metrics.count(b.id, shape.model, shape.klass, o.status, o.prompt_tokens, o.completion_tokens,
+                               o.result)
         policy = self.policy_for(shape.model)
         policy.observe(o)
         if self.affinity is not None and o.ok:
@@ -214,16 +224,29 @@ class Gateway:
         if o.ok and shape.output_tokens and o.completion_tokens and shape.route != "embeddings":
             self.estimator.learn(shape.principal, shape.model, o.completion_tokens)
 
-    def log_request(self, st: RequestState, status: int) -> None:
-        """The request's one access-log line, whatever its ending: served, failed over, refused, client gone."""
-        if not self.access_log.enabled:
-            return
+    def finish(self, st: RequestState, status: int) -> None:
+        """A request's end, however it ended (served, failed over, refused, client gone): a refusal is counted
+        here (each attempt on a backend was, in record), the routing reason by class, and its access-log line."""
+        shape, result = st.shape, request_result(st.outcome, status)
+        klass = shape.klass if shape is not None else ""
+        if result == REJECTED:
+            # A model label only for a model the gateway serves: a client's free text never becomes a series.
+            model = shape.model if shape is not None and self.pool.serves(shape.model) else ""
+            self.metrics.refuse(status, model, klass)
+            self.tally.add(("rejected", klass), time.monotonic())
+        elif st.reason and shape is not None:
+            kind = self.metrics.reason_kind(self.policy_name(shape.model), st.reason)
+            self.tally.add(("reason", klass, kind), time.monotonic())
+        if self.access_log.enabled:
+            self.access_log.write(self._log_line(st, status, result))
+
+    def _log_line(self, st: RequestState, status: int, result: str) -> dict:
         shape, o, principal = st.shape, st.outcome, st.principal
         line = {"ts": round(time.time(), 3), "request_id": st.request_id,
                 "principal": principal.id if principal is not None else None,
                 "model": None, "class": None, "backend": st.backend or None, "reason": st.reason or None,
-                "status": status, "stream": None, "ttft_ms": None, "itl_ms": None, "e2e_ms": None,
-                "prompt_tokens": None, "completion_tokens": None}
+                "status": status, "outcome": result, "stream": None, "ttft_ms": None, "itl_ms": None,
+                "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None}
         if shape is not None:
             line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
         if o is not None:
@@ -231,7 +254,21 @@ class Gateway:
                 line["status"] = o.status  # the stream had started (200 sent), then failed
             line["ttft_ms"], line["itl_ms"], line["e2e_ms"] = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
             line["prompt_tokens"], line["completion_tokens"] = o.prompt_tokens, o.completion_tokens
-        self.access_log.write(line)
+        return line
+
+
+def request_result(o: Outcome | None, status: int) -> str:
+    """How a request ended, one of gateway.contracts.RESULTS: its last attempt's result when a backend was
+    tried, else the client's doing (gone: 499; its own 4xx) or the gateway's refusal (429, 503, any 5xx)."""
+    if o is not None:
+        return o.result
+    if status == 499:
+        return CLIENT_LEFT
+    if status < 400:
+        return OK
+    if status < 500 and status != 429:
+        return CLIENT_ERROR
+    return REJECTED
 
 
 def _ms(v: float | None) -> float | None:
@@ -251,43 +288,6 @@ class RequestIds:
 
 
 def stats_report(gw: Gateway) -> dict:
-    """The JSON feed behind /stats and the dashboard: rolling per-backend and per-class figures."""
-    now_m, window = time.monotonic(), gw.cfg.stats.window_s
-    rows, mix = [], {}
-    for b in gw.pool.all():
-        rep = b.stats.report(now_m, window)
-        load = b.fresh_load(now_m)
-        est = b.latency.estimate()
-        # What the latency model predicts right now for each class's typical prompt (queue wait aside).
-        for s in (rep["overall"], *rep["classes"].values()):
-            s["predicted"] = _predicted(est, s["prompt_tokens_p50"], b.in_flight)
-        rows.append({
-            "id": b.id, "engine": b.engine, "health": b.health.state, "breaker": b.breaker.state(now_m),
-            "in_flight": b.in_flight,
-            "load": {"running": load.running if load else None, "waiting": load.waiting if load else None,
-                     "kv_usage": load.kv_usage if load else None, "idle_slots": load.idle_slots if load else None,
-                     "fresh": load is not None},
-            **rep,
-            "model": {"ttft_t0_ms": round(est.ttft_t0 * 1000, 3), "prefill_tps": round(est.prefill_rate, 1),
-                      "itl_a_ms": round(est.itl_a * 1000, 3), "itl_b_ms": round(est.itl_b * 1000, 4),
-                      "ttft_per_running_ms": round(est.ttft_per_running * 1000, 4),
-                      "service_ms": round(est.service_s * 1000, 3), "samples": est.samples},
-        })
-        for klass, s in rep["classes"].items():
-            m = mix.setdefault(klass, {"requests": 0, "share": 0.0, "backends": {}})
-            m["requests"] += s["requests"]
-            m["backends"][b.id] = s["requests"]
-    total = sum(r["overall"]["requests"] for r in rows)
-    errors = sum(r["overall"]["requests"] * r["overall"]["error_rate"] for r in rows)
-    for m in mix.values():
-        m["share"] = m["requests"] / total if total else 0.0
-    return {"now": time.time(), "window_s": window, "enabled": gw.cfg.stats.enabled, "backends": rows,
-            "classes": mix,
-            "totals": {"requests": total, "rps": sum(r["overall"]["rps"] for r in rows),
-                       "error_rate": errors / total if total else 0.0,
-                       "in_flight": sum(r["in_flight"] for r in rows)}}
-
-
-def _predicted(est, prompt_tokens: float | None, running: int) -> dict:
-    n = prompt_tokens or 0
-    return {"prompt_tokens": n, "ttft_ms": _ms(est.ttft(n, running=running)), "itl_ms": _ms(est.itl(running + 1))}
+    """The JSON feed behind /stats and the dashboard: rolling per-backend and per-class figures of this
+    process group (every worker of `serve --workers N`, merged; see gateway.stats_merge)."""
+    return group_report(gw)

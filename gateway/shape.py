@@ -159,4 +159,4 @@ def classify(*, route: str, body: Mapping[str, Any], session: str | None, princi
                                cfg.prefix_block_chars, cfg.max_prefix_blocks)
     return RequestShape(model=model, route=route, stream=stream, prompt_tokens=prompt_tokens,
                         output_tokens=output, klass=klass, principal=principal,
-                        session_id=session, prefix_hashes=hashes)
+                        session_id=session, prefix_hashes=hashes, max_output=asked)

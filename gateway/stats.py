@@ -1,15 +1,15 @@
-"""Rolling per-backend latency stats and the online latency model (TTFT and ITL fits), on an injected clock."""
+"""Rolling per-backend stats (counts per result, latency sketches), tallies and the online latency model."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
+from gateway import sketch
 from gateway.config import LatencyHints
-from gateway.contracts import CLASSES, LatencyEstimate, Outcome
+from gateway.contracts import CLASSES, CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, LatencyEstimate, Outcome
 
 Clock = Callable[[], float]
 
@@ -196,65 +196,35 @@ class Sample:
     in_tokens: int = 0
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[k]
-
-
-def summarize(samples: Iterable[Sample], span_s: float, counts: list[int] | None = None) -> dict:
-    """Percentiles from `samples`; requests, errors and tokens from the exact `counts` when given.
-
-    `span_s` is the time the figures cover: the window, or less while the window has not yet filled.
-    """
-    rows = list(samples)
-    ok = [s for s in rows if s.ok]
-    if counts is None:
-        counts = [len(rows), len(rows) - len(ok), sum(s.out_tokens for s in rows)]
-    n, errors, tokens = counts
-
-    def pct(values: list[float]) -> dict:
-        v = sorted(values)
-        return {"p50": _ms(percentile(v, 0.5)), "p90": _ms(percentile(v, 0.9)), "p99": _ms(percentile(v, 0.99))}
-
-    return {
-        "requests": n,
-        "rps": n / span_s,
-        "error_rate": errors / n if n else 0.0,
-        "output_tps": tokens / span_s,
-        "ttft_ms": pct([s.ttft for s in ok if s.ttft is not None]),
-        "itl_ms": pct([s.itl for s in ok if s.itl is not None]),
-        "e2e_ms": pct([s.e2e for s in ok]),
-        "prompt_tokens_p50": percentile(sorted(s.in_tokens for s in ok), 0.5),
-        "samples": len(rows),
-    }
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000, 3)
+# Per class and second: one count per attempt result, then output tokens.
+ATTEMPT_RESULTS = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR)
+RESULT_INDEX = {r: i for i, r in enumerate(ATTEMPT_RESULTS)}
+TOKENS = len(ATTEMPT_RESULTS)
 
 
 class BackendStats:
-    """One backend's recent requests, summarised on demand (never on the request path).
+    """One backend's recent attempts, summarised on demand (never on the request path).
 
-    Percentiles come from the last `max_samples` requests inside the window; request, error and token
-    rates from per-second counts, which stay exact however busy the backend is.
+    Latency distributions come from the last `max_samples` served requests inside the window; counts per
+    result and tokens from per-second counts, which stay exact however busy the backend is.
     """
 
-    KEEP_S = 600.0  # seconds of counts kept at least (longer once a report asks for a longer window)
+    KEEP_S = 600.0  # seconds of counts kept at least (longer once a summary asks for a longer window)
 
     def __init__(self, max_samples: int, now: float | None = None) -> None:
-        # Plain tuples in Sample's field order: a request pays for a tuple, a report builds the Samples.
+        # Plain tuples in Sample's field order: a request pays for a tuple, a summary reads them.
         self.samples: deque[tuple] = deque(maxlen=max_samples)
-        # (second, {class: [requests, errors, output tokens]}), oldest first; a second without traffic has none.
+        # (second, {class: [ok, client_left, client_error, engine_error, output tokens]}), oldest first.
         self.counts: deque[tuple[int, dict[str, list[int]]]] = deque()
         self.since = time.monotonic() if now is None else now
         self._keep_s = self.KEEP_S
+        self.added = 0  # samples appended since the start
+        self._sliding = sketch.Sliding(lambda s: s[1], _distributions, len(DISTRIBUTIONS))
 
     def add(self, o: Outcome, now: float) -> None:
         klass = o.shape.klass
         self.samples.append((now, klass, o.ok, o.ttft, o.itl, o.e2e, o.completion_tokens, o.prompt_tokens))
+        self.added += 1
         sec, counts = int(now), self.counts
         if not counts or counts[-1][0] != sec:
             counts.append((sec, {}))
@@ -262,10 +232,9 @@ class BackendStats:
                 counts.popleft()
         c = counts[-1][1].get(klass)
         if c is None:
-            c = counts[-1][1][klass] = [0, 0, 0]
-        c[0] += 1
-        c[1] += not o.ok
-        c[2] += o.completion_tokens
+            c = counts[-1][1][klass] = [0, 0, 0, 0, 0]
+        c[RESULT_INDEX.get(o.result, RESULT_INDEX[ENGINE_ERROR])] += 1
+        c[TOKENS] += o.completion_tokens
 
     def window(self, now: float, window_s: float) -> list[Sample]:
         cutoff = now - window_s
@@ -279,19 +248,83 @@ class BackendStats:
             if sec < first:
                 break
             for klass, c in per.items():
-                t = out.setdefault(klass, [0, 0, 0])
-                t[0] += c[0]
-                t[1] += c[1]
-                t[2] += c[2]
+                t = out.get(klass)
+                if t is None:
+                    out[klass] = c.copy()
+                else:
+                    for i, v in enumerate(c):
+                        t[i] += v
         return out
 
-    def report(self, now: float, window_s: float) -> dict:
-        rows = self.window(now, window_s)
-        span = min(window_s, max(now - self.since, 1.0))
-        counted = self._counted(now, window_s)
-        total = [sum(c[i] for c in counted.values()) for i in range(3)]
-        classes = {k: summarize([s for s in rows if s.klass == k], span, counted[k]) for k in CLASSES if k in counted}
-        return {"overall": summarize(rows, span, total), "classes": classes}
+    def summary(self, now: float, window_s: float) -> dict:
+        """Mergeable figures per class over the window: counts per result, output tokens, and latency (and
+        prompt size) distributions of the served requests as sketches (see gateway.sketch).
+
+        When the sample cap left fewer served samples than served requests, each sample weighs for the
+        requests it stands for, so that sketches of busy and idle processes add up in proportion.
+        """
+        sliding = self._sliding
+        sliding.update(self.samples, self.added, now - window_s, window_s)
+        classes = {}
+        for klass, c in sorted(self._counted(now, window_s).items(), key=lambda kv: _class_rank(kv[0])):
+            sks = sliding.sketches.get(klass) or [{} for _ in DISTRIBUTIONS]
+            served = sum(sks[DISTRIBUTIONS.index("e2e")].values())  # every served sample has an e2e
+            weight = c[0] / served if served and c[0] > served else 1.0
+            classes[klass] = {"n": c[:TOKENS], "tokens": c[TOKENS], "samples": sliding.held.get(klass, 0),
+                              **{d: sketch.encode(sk, weight) for d, sk in zip(DISTRIBUTIONS, sks)}}
+        return {"span_s": min(window_s, max(now - self.since, 1.0)), "classes": classes}
+
+
+# What a summary sketches of each served sample (a failed one says nothing about the engine's latency).
+DISTRIBUTIONS = ("ttft", "itl", "e2e", "prompt")
+
+
+def _distributions(s: tuple) -> tuple:
+    return (s[3], s[4], s[5], s[7]) if s[2] else (None, None, None, None)
+
+
+def _class_rank(klass: str) -> tuple[int, str]:
+    return (CLASSES.index(klass) if klass in CLASSES else len(CLASSES), klass)
+
+
+class Tally:
+    """Counts per key over rolling whole seconds: events add on the request path, a summary sums a window."""
+
+    KEEP_S = 600.0
+
+    def __init__(self) -> None:
+        self.counts: deque[tuple[int, dict]] = deque()
+        self._keep_s = self.KEEP_S
+        self._folded: dict = {}
+
+    def fold(self, key, total: int, now: float) -> int:
+        """Add what a cumulative counter grew by since its last fold (one that restarted counts from zero)."""
+        last = self._folded.get(key, 0)
+        grew = total - last if total >= last else total
+        self._folded[key] = total
+        if grew:
+            self.add(key, now, grew)
+        return grew
+
+    def add(self, key, now: float, n: int = 1) -> None:
+        sec, counts = int(now), self.counts
+        if not counts or counts[-1][0] != sec:
+            counts.append((sec, {}))
+            while counts[0][0] < sec - self._keep_s:
+                counts.popleft()
+        per = counts[-1][1]
+        per[key] = per.get(key, 0) + n
+
+    def window(self, now: float, window_s: float) -> dict:
+        self._keep_s = max(self._keep_s, window_s)
+        first = int(now - window_s) + 1
+        out: dict = {}
+        for sec, per in reversed(self.counts):
+            if sec < first:
+                break
+            for key, n in per.items():
+                out[key] = out.get(key, 0) + n
+        return out
 
 
 class OutputEstimator:

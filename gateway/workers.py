@@ -1,7 +1,8 @@
-"""`shapegate serve --workers N`: N gateway processes on one port, their Prometheus values shared through files."""
+"""`shapegate serve --workers N`: N gateway processes on one port, their metrics and stats shared through files."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -10,6 +11,8 @@ import sys
 import tempfile
 import traceback
 from typing import Callable
+
+from gateway.stats_share import REPLICA_ENV, STATS_DIR_ENV, WORKERS_ENV, new_replica_id
 
 log = logging.getLogger("shapegate")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -21,9 +24,19 @@ def run_workers(n: int, worker: Callable[[], int]) -> int:
     SIGTERM/SIGINT/SIGHUP sent to this process go to every worker. A worker that exits on its own stops
     the others, so a supervisor sees one failed service rather than a silently smaller one.
     """
-    # Before any prometheus_client import in the workers: the library picks its value store at import time.
+    # Before the workers make any metric. prometheus_client picks its value store when it is imported; if
+    # reading the configuration imported it already, it picks again here, or each worker would count alone.
     metrics_dir = tempfile.mkdtemp(prefix="shapegate-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        values.ValueClass = values.get_value_class()
+    # Beside it, each worker's /stats summary (gateway/stats_share.py): any worker's /stats merges them all.
+    stats_dir = os.path.join(metrics_dir, "stats")
+    os.mkdir(stats_dir)
+    os.environ[STATS_DIR_ENV] = stats_dir
+    os.environ[WORKERS_ENV] = str(n)
+    os.environ[REPLICA_ENV] = new_replica_id()  # the workers are one replica to the others sharing Redis
     children: set[int] = set()
     stopping = False
 
@@ -45,7 +58,7 @@ def run_workers(n: int, worker: Callable[[], int]) -> int:
             children.add(pid)
         log.info("%d workers (pids %s), metrics aggregated in %s", n,
                  ", ".join(map(str, sorted(children))), metrics_dir)
-        return _reap(children, metrics_dir, lambda: stopping)
+        return _reap(children, metrics_dir, stats_dir, lambda: stopping)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -71,7 +84,7 @@ def _child(previous: dict, worker: Callable[[], int]) -> None:
         os._exit(code)
 
 
-def _reap(children: set[int], metrics_dir: str, stopping: Callable[[], bool]) -> int:
+def _reap(children: set[int], metrics_dir: str, stats_dir: str, stopping: Callable[[], bool]) -> int:
     from prometheus_client import multiprocess
 
     code = 0
@@ -81,6 +94,8 @@ def _reap(children: set[int], metrics_dir: str, stopping: Callable[[], bool]) ->
             continue
         children.discard(pid)
         multiprocess.mark_process_dead(pid, metrics_dir)  # its live gauges (in-flight, pool state) stop counting
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(stats_dir, f"{pid}.json"))  # nor does its last stats summary
         rc = os.waitstatus_to_exitcode(status)
         if not stopping() and not code:
             log.error("worker %d exited unexpectedly (%d); stopping the others", pid, rc)

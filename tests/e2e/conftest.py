@@ -150,6 +150,15 @@ def vllm_server(vllm_boot: Boot) -> EngineHandle:
     return vllm_boot.handle
 
 
+@pytest.fixture(params=["real", "sim"])
+def portfolio(request: pytest.FixtureRequest) -> dict[str, str] | None:
+    """Engine URLs of the real llama.cpp and vLLM pair, or None for a pair of simulators started by the test."""
+    if request.param == "sim":
+        return None
+    return {"llamacpp": request.getfixturevalue("llama_server").url,
+            "vllm": request.getfixturevalue("vllm_server").url}
+
+
 @pytest.fixture(params=sorted(ENGINE_FIXTURES))
 def engine(request: pytest.FixtureRequest) -> EngineHandle:
     """Either real engine; tests using it run once per engine."""

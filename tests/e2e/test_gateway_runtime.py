@@ -215,15 +215,6 @@ async def _portfolio_stream(http: aiohttp.ClientSession, url: str, i: int) -> tu
         return resp.headers["x-shapegate-backend"], wire.parse_sse(await resp.read())
 
 
-@pytest.fixture(params=["real", "sim"])
-def portfolio(request: pytest.FixtureRequest) -> dict[str, str] | None:
-    """Engine URLs of the real pair, or None for a pair of simulators started by the test."""
-    if request.param == "sim":
-        return None
-    return {"llamacpp": request.getfixturevalue("llama_server").url,
-            "vllm": request.getfixturevalue("vllm_server").url}
-
-
 async def test_mixed_portfolio(portfolio: dict[str, str] | None) -> None:
     """llama.cpp and vLLM behind one gateway under one public name: both serve, every stream ends with [DONE]."""
     flavour = "sim" if portfolio is None else "real"

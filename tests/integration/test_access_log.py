@@ -13,8 +13,8 @@ from tests.fake_engine import FakeEngine, Knobs, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.procs import ROOT, to_toml, wait_http
 
-FIELDS = {"ts", "request_id", "principal", "model", "class", "backend", "reason", "status", "stream", "ttft_ms",
-          "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens"}
+FIELDS = {"ts", "request_id", "principal", "model", "class", "backend", "reason", "status", "outcome", "stream",
+          "ttft_ms", "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens"}
 
 
 async def post(s: aiohttp.ClientSession, url: str, rid: str, body: dict | bytes) -> int:

@@ -258,6 +258,7 @@ async def test_two_workers_add_up_in_one_scrape(tmp_path):
                 async with s.get(url + "/metrics") as r:
                     m = Scrape(await r.text())
             assert m.value("shapegate_requests_total", backend="a", status="200") == 40
+            assert m.value("shapegate_requests_total", backend="a", outcome="ok") == 40
             assert m.value("shapegate_e2e_seconds_count") == 40
             assert m.value("shapegate_completion_tokens_total") == 40 * 3
             assert m.one("shapegate_workers") == 2

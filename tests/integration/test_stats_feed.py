@@ -9,8 +9,10 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.contracts import Outcome, RequestShape
+from gateway.contracts import ENGINE_ERROR, OK, Outcome, RequestShape
+from gateway.sketch import REL_ERR
 from gateway.stats import BackendStats
+from gateway.stats_merge import render
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
@@ -83,6 +85,7 @@ async def test_stats_match_the_client_measurements(setup):
     o = b["overall"]
     assert (b["id"], b["engine"], b["health"], b["breaker"], b["in_flight"]) == ("a", "vllm", "ready", "closed", 0)
     assert o["requests"] == 20 and o["error_rate"] == pytest.approx(4 / 20)
+    assert o["outcomes"] == {"ok": 16, "client_left": 0, "client_error": 0, "engine_error": 4}
     assert o["output_tps"] / o["rps"] == pytest.approx(16 * TOKENS / 20)  # same span: tokens per request
     assert feed["totals"]["requests"] == 20 and feed["totals"]["in_flight"] == 0
     assert {k: v["requests"] for k, v in feed["classes"].items()} == {"default": 16, "interactive": 4}
@@ -96,7 +99,8 @@ async def test_stats_match_the_client_measurements(setup):
             gateway = got[f"{key}_ms"]["p50"]
             # The gateway times a sub-interval of what the client times, from the same clock.
             assert gateway - 1.0 <= client <= gateway + TOLERANCE_MS, (cls, key, client, gateway)
-        assert got["ttft_ms"]["p50"] <= got["ttft_ms"]["p90"] <= got["ttft_ms"]["p99"]
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert got[key]["p50"] <= got[key]["p90"] <= got[key]["p99"]
     assert o["ttft_ms"]["p50"] >= DELAY_S * 1000 and o["itl_ms"]["p50"] >= DELAY_S * 1000
     # The latency model has learned from the same streams; its predictions sit near what was measured.
     assert b["model"]["samples"] >= 10
@@ -104,17 +108,34 @@ async def test_stats_match_the_client_measurements(setup):
     assert 0.5 < o["predicted"]["itl_ms"] / o["itl_ms"]["p50"] < 2
 
 
+def overall(stats: BackendStats, now: float, window_s: float) -> dict:
+    """One backend's figures over all classes, through the same merge /stats uses."""
+    entry = {"engine": "vllm", "health": "ready", "breaker": "closed", "in_flight": 0, "load": None,
+             "fit": {"ttft_t0": 0.01, "prefill_rate": 1e4, "itl_a": 0.005, "itl_b": 0.0, "samples": 0,
+                     "ttft_per_running": 0.0, "service_s": 1.0},
+             "failovers": 0, "breaker_openings": 0, **stats.summary(now, window_s)}
+    summary = {"worker": "1", "taken_at": 0.0, "window_s": window_s, "enabled": True, "backends": {"a": entry}}
+    (row,) = render([summary], 0.0)["backends"]
+    return row["overall"]
+
+
 def test_rates_count_every_request_beyond_the_sample_cap():
     stats = BackendStats(max_samples=64, now=0.0)
     shape = RequestShape(model="m", route="chat", stream=True, prompt_tokens=10, output_tokens=4, klass="default")
     for i in range(5000):  # 500 requests/s for 10 s; one in ten fails
-        stats.add(Outcome("a", shape, ok=i % 10 != 0, status=200, ttft=0.01, itl=0.002, e2e=0.05,
-                          prompt_tokens=10, completion_tokens=4), now=100.0 + i / 500)
-    rep = stats.report(now=110.0, window_s=30.0)["overall"]
+        ok = i % 10 != 0
+        stats.add(Outcome("a", shape, ok=ok, status=200 if ok else 500, ttft=0.01 + (i % 100) / 10_000, itl=0.002,
+                          e2e=0.05, prompt_tokens=10, completion_tokens=4, result=OK if ok else ENGINE_ERROR),
+                  now=100.0 + i / 500)
+    rep = overall(stats, now=110.0, window_s=30.0)
     assert rep["samples"] == 64 and rep["requests"] == 5000
     assert rep["rps"] == pytest.approx(5000 / 30) and rep["error_rate"] == pytest.approx(0.1)
+    assert rep["outcomes"] == {"ok": 4500, "client_left": 0, "client_error": 0, "engine_error": 500}
     assert rep["output_tps"] == pytest.approx(5000 * 4 / 30)
+    # Percentiles of the 58 served among the last 64 samples (TTFT 13.6-19.9 ms), within the sketch's error.
+    assert rep["ttft_ms"]["p50"] == pytest.approx(16.7, rel=REL_ERR)
+    assert rep["ttft_ms"]["p99"] == pytest.approx(19.9, rel=REL_ERR)
     young = BackendStats(max_samples=64, now=100.0)  # the window has not filled yet: rates over the time seen
     young.add(Outcome("a", shape, ok=True, status=200, e2e=0.1, completion_tokens=8), now=101.0)
-    assert young.report(now=104.0, window_s=30.0)["overall"]["rps"] == pytest.approx(1 / 4)
-    assert stats.report(now=200.0, window_s=30.0)["overall"]["requests"] == 0
+    assert overall(young, now=104.0, window_s=30.0)["rps"] == pytest.approx(1 / 4)
+    assert overall(stats, now=200.0, window_s=30.0)["requests"] == 0

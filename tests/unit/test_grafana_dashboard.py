@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics
-from gateway.contracts import LoadSample
+from gateway.contracts import ENGINE_ERROR, OK, LoadSample
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-shapegate.json"
 METRIC = re.compile(r"\bshapegate_[a-z0-9_]+")
@@ -26,7 +26,10 @@ def exposed() -> dict[str, set[str]]:
                               breaker=SimpleNamespace(state=lambda now: "closed"),
                               load=LoadSample(1.0, 2.0, 0.5, at=0.0), fresh_load=lambda now: load)
     m = Metrics(lambda: [backend])
-    m.observe("b", "m", "default", 200, 0.01, 0.002, 0.1, 10, 5, 0.0001)
+    m.observe("b", "m", "default", 200, 0.01, 0.002, 0.1, 10, 5, 0.0001, OK)
+    m.count("b", "m", "default", 500, 10, 0, ENGINE_ERROR)
+    m.refuse(503, "m", "default")
+    m.breaker_opened("b", 1)
     m.decision("shape", "b", "shape:long_output itl=2ms")
     m.affinity(True)
     m.retry("b")
@@ -75,7 +78,10 @@ def test_dashboard_covers_the_operator_questions():
     for needed in ("shapegate_ttft_seconds_bucket", "shapegate_itl_seconds_bucket", "shapegate_e2e_seconds_bucket",
                    "shapegate_requests_total", "shapegate_completion_tokens_total", "shapegate_in_flight",
                    "shapegate_engine_waiting", "shapegate_backend_health", "shapegate_backend_breaker",
-                   "shapegate_routing_decisions_total", "shapegate_prefix_affinity_total"):
+                   "shapegate_routing_decisions_total", "shapegate_prefix_affinity_total",
+                   "shapegate_breaker_openings_total", 'outcome="engine_error"', "by (outcome)"):
         assert needed in text
+    # The error share is the engines' own: neither a client's 4xx nor a client that left counts against them.
+    assert 'status!~"2.."' not in text
     assert dash["uid"] and all(p.get("datasource", {}).get("uid") == "${datasource}"
                                for p in dash["panels"] if p["type"] != "row")

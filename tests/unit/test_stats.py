@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import LatencyHints
-from gateway.contracts import DEFAULT, RequestShape, Outcome
+from gateway.contracts import CLIENT_LEFT, DEFAULT, ENGINE_ERROR, Outcome, RequestShape
+from gateway.sketch import REL_ERR
 from gateway.stats import (PRIOR_ITL_S, PRIOR_PREFILL_TPS, PRIOR_TTFT_S, BackendStats, DecayingRidge, LatencyModel,
                            OutputEstimator)
+from gateway.stats_merge import figures, merge
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)
 
@@ -176,10 +178,26 @@ def test_output_estimator_ewma_and_bounded_lru():
     assert est.expected("p", "m") is None and est.expected("r", "m") == 10
 
 
-def test_backend_stats_report_by_class():
+def test_backend_stats_summary_by_class_and_result():
     s = BackendStats(max_samples=16)
     for i in range(4):
         s.add(outcome(ttft=0.1 * (i + 1), itl=0.01, e2e=1.0), now=100.0 + i)
-    rep = s.report(now=103.0, window_s=10.0)
-    assert rep["overall"]["requests"] == 4
-    assert rep["classes"]["default"]["ttft_ms"]["p50"] == pytest.approx(200.0)
+    s.add(outcome(ok=False)._replace(result=CLIENT_LEFT), now=103.0)
+    s.add(outcome(ok=False)._replace(result=ENGINE_ERROR, status=500), now=103.0)
+    summary = s.summary(now=103.0, window_s=10.0)
+    (klass,) = summary["classes"]
+    c = summary["classes"][klass]
+    assert klass == DEFAULT and c["n"] == [4, 1, 0, 1] and c["samples"] == 6
+    assert c["tokens"] == 6 * 100
+    merged = merge([{"taken_at": 0.0, "backends": {"b": backend_entry(summary)}}])
+    rep = figures(merged["backends"]["b"]["classes"][klass])
+    assert rep["requests"] == 6 and rep["error_rate"] == pytest.approx(1 / 6)  # the client's leaving is not an error
+    assert rep["outcomes"] == {"ok": 4, "client_left": 1, "client_error": 0, "engine_error": 1}
+    assert rep["ttft_ms"]["p50"] == pytest.approx(200.0, rel=REL_ERR)  # served requests only
+
+
+def backend_entry(summary: dict) -> dict:
+    return {"engine": "vllm", "health": "ready", "breaker": "closed", "in_flight": 0, "load": None,
+            "fit": {"ttft_t0": 0.01, "prefill_rate": 1e4, "itl_a": 0.005, "itl_b": 0.0, "samples": 0,
+                    "ttft_per_running": 0.0, "service_s": 1.0},
+            "failovers": 0, "breaker_openings": 0, **summary}

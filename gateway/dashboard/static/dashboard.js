@@ -14,6 +14,7 @@
   const STALE_AFTER_S = 3;
   const PALETTE = ['#4e9bff', '#ffa94d', '#38d9a9', '#f783ac', '#ffd43b', '#b197fc', '#ff6b6b', '#66d9e8'];
   const CLASS_ORDER = ['interactive', 'long_prompt', 'long_output', 'default'];
+  const OUTCOMES = ['ok', 'client_left', 'client_error', 'engine_error'];
 
   const pct = (v) => (v == null ? null : v * 100);
   const CHARTS = [
@@ -22,7 +23,8 @@
     { id: 'itl_p50', title: 'ITL p50', unit: 'ms', get: (b) => b.overall?.itl_ms?.p50 },
     { id: 'output_tps', title: 'Throughput', unit: 'out tok/s', get: (b) => b.overall?.output_tps },
     { id: 'rps', title: 'Requests', unit: 'req/s', get: (b) => b.overall?.rps },
-    { id: 'error_rate', title: 'Error rate', unit: '%', cap: 100, get: (b) => pct(b.overall?.error_rate) },
+    // The engine's own failures only: a client that left or sent a bad request is not the engine's error.
+    { id: 'error_rate', title: 'Engine error rate', unit: '%', cap: 100, get: (b) => pct(b.overall?.error_rate) },
     { id: 'waiting', title: 'Queue waiting', unit: 'requests', get: (b) => b.load?.waiting },
     { id: 'in_flight', title: 'In flight', unit: 'requests', get: (b) => b.in_flight },
   ];
@@ -110,13 +112,47 @@
         el('td', { class: 'n' }, num(`table:rps:${b.id}`, o.rps)),
         el('td', { class: 'n' }, num(`table:output_tps:${b.id}`, o.output_tps)),
         el('td', { class: errCls }, num(`table:error_rate:${b.id}`, o.error_rate, fmtPct(o.error_rate))),
-        el('td', { class: 'n' }, num(`table:ttft_p50:${b.id}`, o.ttft_ms?.p50), el('span', { class: 'sep' }, ' / '),
-          num(`table:ttft_p99:${b.id}`, o.ttft_ms?.p99)),
-        el('td', { class: 'n' }, num(`table:itl_p50:${b.id}`, o.itl_ms?.p50)),
-        el('td', { class: 'n' }, num(`table:e2e_p50:${b.id}`, o.e2e_ms?.p50)));
+        ...['ttft', 'itl', 'e2e'].map((m) => el('td', { class: 'n' },
+          num(`table:${m}_p50:${b.id}`, o[`${m}_ms`]?.p50), el('span', { class: 'sep' }, ' / '),
+          num(`table:${m}_p99:${b.id}`, o[`${m}_ms`]?.p99))));
     });
     if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 12, class: 'empty' }, 'no backends in the feed')));
     $('[data-testid="backends-body"]').replaceChildren(...rows);
+  }
+
+  // Per backend over the window: how each attempt ended, failovers away from it, times its breaker opened.
+  function renderOutcomes(feed) {
+    const rows = feed.backends.map((b) => {
+      const out = b.overall?.outcomes || {};
+      return el('tr', { testid: `outcomes:${b.id}` },
+        el('td', { class: 'id' }, el('i', { class: 'swatch', color: colorOf(b.id) }), b.id),
+        ...OUTCOMES.map((k) => el('td', { class: k === 'engine_error' && out[k] ? 'n bad' : 'n' },
+          num(`outcome:${k}:${b.id}`, out[k] ?? null))),
+        el('td', { class: 'n' }, num(`failovers:${b.id}`, b.failovers ?? null)),
+        el('td', { class: b.breaker_openings ? 'n bad' : 'n' }, num(`breaker_openings:${b.id}`, b.breaker_openings ?? null)));
+    });
+    if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 7, class: 'empty' }, 'no backends in the feed')));
+    $('[data-testid="outcomes-body"]').replaceChildren(...rows);
+  }
+
+  // With replicas sharing a Redis store: one line per replica, this one marked.
+  function renderReplicas(feed) {
+    const panel = $('[data-testid="replicas"]');
+    const list = Array.isArray(feed.replicas) ? feed.replicas : [];
+    panel.hidden = !list.length;
+    // A row of its own, so that it never narrows the backends table (CSSOM: the CSP forbids style attributes).
+    panel.style.gridColumn = '1 / -1';
+    const now = feed.now ?? nowS();
+    $('[data-testid="replicas-body"]').replaceChildren(...list.map((r) => el('tr', { testid: `replica:${r.replica}` },
+      el('td', { class: 'id' }, r.replica, r.self ? ' (this one)' : ''),
+      el('td', { class: 'n' }, num(`replica:workers:${r.replica}`, r.workers)),
+      el('td', { class: 'n' }, num(`replica:requests:${r.replica}`, r.requests)),
+      el('td', { class: 'n' }, num(`replica:rps:${r.replica}`, r.rps)),
+      el('td', { class: (r.error_rate ?? 0) >= 0.05 ? 'n bad' : 'n' },
+        num(`replica:error_rate:${r.replica}`, r.error_rate, fmtPct(r.error_rate))),
+      el('td', { class: 'n' }, num(`replica:rejected:${r.replica}`, r.rejected)),
+      el('td', { class: 'n' }, num(`replica:in_flight:${r.replica}`, r.in_flight)),
+      el('td', { class: 'n' }, r.taken_at == null ? '—' : `${fmt(Math.max(0, now - r.taken_at))} s`))));
   }
 
   function classNames(classes) {
@@ -151,7 +187,25 @@
         }
         return cell;
       })));
-    if (!names.length) rows.splice(0, rows.length, el('tr', {}, el('td', { class: 'empty' }, 'no requests in the window')));
+    if (names.length) {
+      // Requests the gateway refused before trying a backend, and why the routed ones went where they did.
+      rows.push(el('tr', {}, el('td', { class: 'id' }, 'refused'), ...names.map((name) => {
+        const n = feed.classes[name]?.rejected ?? null;
+        return el('td', { class: n ? 'n bad' : 'n' }, num(`route:${name}:rejected`, n));
+      })));
+      rows.push(el('tr', {}, el('td', { class: 'id' }, 'reasons'), ...names.map((name) => {
+        const reasons = Object.entries(feed.classes[name]?.reasons || {});
+        const cell = el('td', { class: 'n', testid: `reasons:${name}` });
+        reasons.forEach(([kind, n], i) => {
+          if (i) cell.append(el('br'));
+          cell.append(el('small', {}, `${kind} `), num(`reason:${name}:${kind}`, n));
+        });
+        if (!reasons.length) cell.append('—');
+        return cell;
+      })));
+    } else {
+      rows.splice(0, rows.length, el('tr', {}, el('td', { class: 'empty' }, 'no requests in the window')));
+    }
     $('[data-testid="routing-head"]').replaceChildren(head);
     $('[data-testid="routing-body"]').replaceChildren(...rows);
   }
@@ -167,9 +221,18 @@
     set('in_flight', t.in_flight, t.in_flight == null ? '—' : String(t.in_flight));
     set('error_rate', t.error_rate, fmtPct(t.error_rate));
     set('requests', t.requests, t.requests == null ? '—' : String(t.requests));
+    set('rejected', t.rejected, t.rejected == null ? '—' : String(t.rejected));
     $('[data-testid="totals:error_rate"]').classList.toggle('bad', (t.error_rate ?? 0) >= 0.05);
-    const w = feed.window_s != null ? `last ${feed.window_s} s` : '';
-    for (const node of document.querySelectorAll('.window, .window-note')) node.textContent = w;
+    $('[data-testid="totals:rejected"]').classList.toggle('bad', (t.rejected ?? 0) > 0);
+    // Every worker of the process group adds its summary; fewer than expected means one has not reported.
+    const w = feed.workers || {};
+    const node = $('[data-testid="totals:workers"]');
+    node.textContent = w.count == null ? '—' : (w.expected && w.expected !== w.count ? `${w.count} of ${w.expected}` : String(w.count));
+    node.dataset.value = w.count == null ? '' : String(w.count);
+    node.classList.toggle('bad', w.expected != null && w.count !== w.expected);
+    node.title = (w.summaries || []).map((s) => `worker ${s.worker}: summary ${fmt(s.age_s)} s old`).join('\n');
+    const span = feed.window_s != null ? `last ${feed.window_s} s` : '';
+    for (const n of document.querySelectorAll('.window, .window-note')) n.textContent = span;
   }
 
   function buildCharts() {
@@ -296,7 +359,9 @@
     record(feed, t);
     renderTotals(feed);
     renderBackends(feed);
+    renderOutcomes(feed);
     renderRouting(feed);
+    renderReplicas(feed);
     renderLegends(feed);
     const stamp = $('[data-testid="last-update"]');
     stamp.textContent = clock(feed.now ?? t);
