@@ -383,7 +383,7 @@ class FrontConnection(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if not self.closed:
-            self.transport.write(error_reply(err, head_only=self.method == "HEAD"))
+            self.transport.write(error_reply(err, self.front.g.request_ids.next(), head_only=self.method == "HEAD"))
         self.front.g.metrics.reject(err.status)
         self._linger()
 
@@ -427,7 +427,7 @@ class FrontConnection(asyncio.Protocol):
         """Close at once to make room for another connection (one still sending a request is told 408)."""
         if self.phase in (HEAD, BODY) and not (self.ex is not None and self.ex.started) and not self.closed:
             self.transport.write(error_reply(refusal(408, "The request did not arrive in time.", "request_timeout"),
-                                             head_only=self.method == "HEAD"))
+                                             self.front.g.request_ids.next(), head_only=self.method == "HEAD"))
             self.front.g.metrics.reject(408)
         self._close()
 

@@ -35,11 +35,13 @@ def head(status: int, headers: Headers, extra: str) -> bytes:
     return (STATUS_LINES.get(status) or _status_line(status)) + f"{lines}{extra}\r\n".encode("latin-1")
 
 
-def error_reply(err: GatewayError, *, head_only: bool = False) -> bytes:
+def error_reply(err: GatewayError, request_id: str, *, head_only: bool = False) -> bytes:
     """A whole error reply for a request the front refuses before anyone serves it; the connection then ends
-    (a reply to HEAD has no body, though its length is given)."""
+    (a reply to HEAD has no body, though its length is given). Like every reply it says its request id, and
+    that no backend was tried."""
     body = err.body()
-    extra = f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    extra = (f"Content-Type: application/json\r\nx-request-id: {request_id}\r\nx-shapegate-backend: \r\n"
+             f"x-shapegate-reason: {err.code or 'refused'}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n")
     return head(err.status, err.headers, extra) + (b"" if head_only else body)
 
 
