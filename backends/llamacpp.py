@@ -6,7 +6,7 @@ import time
 
 import orjson
 
-from backends.openai_http import OpenAIHTTPBackend, parse_gauges
+from backends.openai_http import OpenAIHTTPBackend, count, parse_gauges
 from gateway.contracts import LoadSample
 
 
@@ -26,15 +26,8 @@ class LlamaCppBackend(OpenAIHTTPBackend):
 
     async def context_window(self, model: str, timeout: float) -> int | None:
         """The per-slot context (-c split over --parallel): what one request may hold here."""
-        status, body = await self._get(self.props_path, timeout)
-        if status != 200:
-            return None
-        try:
-            settings = orjson.loads(body).get("default_generation_settings")
-        except (orjson.JSONDecodeError, AttributeError):
-            return None
-        n = settings.get("n_ctx") if isinstance(settings, dict) else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        settings = await self._get_field(self.props_path, "default_generation_settings", timeout)
+        return count(settings.get("n_ctx")) if isinstance(settings, dict) else None
 
     async def sample_load(self, timeout: float) -> LoadSample | None:
         # /slots is on by default; /metrics only with --metrics, so either may be missing.

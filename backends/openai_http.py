@@ -50,6 +50,11 @@ def _sum_samples(text: str, name: str) -> float | None:
     return total
 
 
+def count(value: Any) -> int | None:
+    """A positive integer an engine reported, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 class OpenAIHTTPBackend:
     """An OpenAI-compatible HTTP engine. Subclasses change only the data below."""
 
@@ -147,19 +152,23 @@ class OpenAIHTTPBackend:
         except orjson.JSONDecodeError:
             return f"HTTP {status}"
 
-    async def context_window(self, model: str, timeout: float) -> int | None:
-        """Tokens one request may hold, as the engine says it (the model card's max_model_len), or None."""
-        status, body = await self._get("/v1/models", timeout)
+    async def _get_field(self, path: str, field: str, timeout: float) -> Any:
+        """One top-level field of a JSON object a GET route answers with, or None."""
+        status, body = await self._get(path, timeout)
         if status != 200:
             return None
         try:
-            data = orjson.loads(body).get("data")
-        except (orjson.JSONDecodeError, AttributeError):
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
             return None
+        return data.get(field) if isinstance(data, dict) else None
+
+    async def context_window(self, model: str, timeout: float) -> int | None:
+        """Tokens one request may hold, as the engine says it (the model card's max_model_len), or None."""
+        data = await self._get_field("/v1/models", "data", timeout)
         cards = [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
         card = next((c for c in cards if c.get("id") == model), cards[0] if len(cards) == 1 else None)
-        n = card.get("max_model_len") if card is not None else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return count(card.get("max_model_len") if card is not None else None)
 
     async def sample_load(self, timeout: float) -> LoadSample | None:
         if not self.metrics_path:
