@@ -50,6 +50,11 @@ def _sum_samples(text: str, name: str) -> float | None:
     return total
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """Text an engine chose, safe for a log line or a terminal: control characters replaced, length capped."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 def count(value: Any) -> int | None:
     """A positive integer an engine reported, else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -148,7 +153,8 @@ class OpenAIHTTPBackend:
         try:
             data = orjson.loads(body)
             err = data.get("error", data) if isinstance(data, dict) else {}
-            return str(err.get("message", "")) or f"HTTP {status}"
+            message = err.get("message", "") if isinstance(err, dict) else err
+            return printable(str(message)) or f"HTTP {status}"
         except orjson.JSONDecodeError:
             return f"HTTP {status}"
 

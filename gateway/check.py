@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from backends.openai_http import printable
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.runtime import Gateway
 
@@ -109,7 +110,7 @@ def describe(r: BackendReport) -> list[str]:
     if r.listed is None:
         lines.append(f"  engine lists: unknown ({r.list_error})")
     else:
-        lines.append(f"  engine lists: {', '.join(r.listed) or 'no models'}")
+        lines.append(f"  engine lists: {', '.join(printable(m) for m in r.listed) or 'no models'}")
     if r.slots is not None:
         lines.append(f"  slots: {r.slots}")
     for m in r.models:

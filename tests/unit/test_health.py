@@ -6,6 +6,7 @@ import email.utils
 
 import pytest
 
+from backends.openai_http import OpenAIHTTPBackend
 from gateway.config import HealthConfig
 from gateway.contracts import DRAINING, READY, STARTING, UNHEALTHY, ProbeResult
 from gateway.failover import charge_status, retry_after_header, retry_after_s
@@ -134,3 +135,16 @@ def test_a_success_that_started_before_the_latest_failure_proves_nothing():
     b.on_attempt(16.0)
     b.on_success(started=16.0)  # the half-open trial started after the failures
     assert b.state(16.1) == CLOSED
+
+
+@pytest.mark.parametrize("body,detail", [
+    (b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}', "Loading model"),
+    (b'{"error":"Loading\\u001b[31m\\nforged log line"}', "Loading?[31m?forged log line"),  # a string, not a dict
+    (b'{"message":"' + b"x" * 500 + b'"}', "x" * 200),
+    (b"[1, 2]", "HTTP 503"),
+    (b"not json", "HTTP 503"),
+])
+def test_an_engines_health_message_is_logged_and_shown_only_as_printable_text(body, detail):
+    """What an engine says of its health reaches log lines and `shapegate check`: never a control character
+    (a forged log line, a terminal escape), never unbounded, and any JSON shape is read without failing."""
+    assert OpenAIHTTPBackend.health_detail(None, 503, body) == detail
