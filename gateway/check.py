@@ -56,22 +56,10 @@ async def _listed(adapter, timeout: float) -> tuple[tuple[str, ...] | None, str]
         return None, "not an OpenAI model list"
 
 
-async def _context(adapter, bc: BackendConfig, native: str, timeout: float) -> tuple[int | None, str]:
-    if bc.max_context is not None:  # the operator's figure wins over the engine's
-        return bc.max_context, "max_context"
-    ask = getattr(adapter, "context_window", None)  # engines that say it, each its own way
-    if ask is None:
-        return None, ""
-    try:
-        n = await ask(native, timeout)
-    except LOOKUP_ERRORS:
-        return None, ""
-    return (n, "engine") if n else (None, "")
-
-
 async def check_backend(g: Gateway, bc: BackendConfig, timeout: float) -> BackendReport:
     """Probe the backend once the way serving does, then read what it lists and how long a request may be."""
-    adapter = g.make_backend(bc).adapter  # the adapter serving would use: same engine routes, key and limits
+    b = g.make_backend(bc)  # as serving makes it: same engine routes, key, limits and context windows
+    adapter = b.adapter
     try:
         probe = await adapter.probe(timeout, deep=True)
         if probe.status == 0:
@@ -85,10 +73,12 @@ async def check_backend(g: Gateway, bc: BackendConfig, timeout: float) -> Backen
             except LOOKUP_ERRORS:
                 load = None
             report.slots = load.total_slots if load is not None else None
+        await b.discover_windows(timeout)
+        source = "max_context" if bc.max_context is not None else "engine"  # the operator's figure wins
         for public, native in bc.models.items():
-            context, source = await _context(adapter, bc, native, timeout)
+            context = b.window(public)
             listed = None if report.listed is None else native in report.listed
-            report.models.append(ModelReport(public, native, listed, context, source))
+            report.models.append(ModelReport(public, native, listed, context, source if context else ""))
         return report
     finally:
         adapter.close()
