@@ -181,23 +181,22 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
     raise no_backend(shape.model, g.pool.retry_hint(shape.model, time.monotonic()))
 
 
-def _larger(g, shape: RequestShape, ranked, i: int, window: int) -> bool:
-    """Whether a later candidate has a larger (or unknown) context window than `window`."""
-    now = time.monotonic()
-    for v in ranked[i + 1:]:
-        b = g.pool.get(v.id)
-        if b is not None and b.usable(now) and (b.window(shape.model) or window + 1) > window:
-            return True
-    return False
-
-
-def _another_usable(g, ranked, i: int) -> bool:
+def _usable_after(g, ranked, i: int):
+    """The candidates ranked after the i-th that could take the request now."""
     now = time.monotonic()
     for v in ranked[i + 1:]:
         b = g.pool.get(v.id)
         if b is not None and b.usable(now):
-            return True
-    return False
+            yield b
+
+
+def _larger(g, shape: RequestShape, ranked, i: int, window: int) -> bool:
+    """Whether a later candidate has a larger (or unknown) context window than `window`."""
+    return any((b.window(shape.model) or window + 1) > window for b in _usable_after(g, ranked, i))
+
+
+def _another_usable(g, ranked, i: int) -> bool:
+    return next(_usable_after(g, ranked, i), None) is not None
 
 
 async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, body, call: UpstreamCall,
