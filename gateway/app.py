@@ -19,6 +19,9 @@ from gateway import pipeline
 from gateway.config import GatewayConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
+from gateway.experiment_admin import EXPERIMENT_SHARE, change_experiment, list_experiments
+from gateway.experiment_share import ExperimentShare
+from gateway.experiment_share import share_loop as experiment_share_loop
 from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
 from gateway.pipeline import GATEWAY, Exchange, RequestState
@@ -141,6 +144,13 @@ async def stats(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(report), content_type="application/json")
 
 
+async def experiments(request: web.Request) -> web.Response:
+    """GET /admin/experiments: an admin key or the dashboard's sign-in cookie, as for /stats."""
+    if session_principal(request, request.app[DASHBOARD_SECRET]) is None:
+        request.app[GATEWAY].auth.require_admin(request.headers)
+    return await list_experiments(request)
+
+
 SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
 
@@ -190,7 +200,13 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     stop_sharing = asyncio.Event()
     sharing = (asyncio.create_task(share_loop(g.sharing, lambda: take_summary(g), stop_sharing), name="stats-share")
                if g.sharing.active else None)
+    # Experiments' run-time changes and samples reach the other workers and replicas the same way.
+    share = app[EXPERIMENT_SHARE] = ExperimentShare(g.sharing)
+    exp_sharing = (asyncio.create_task(experiment_share_loop(share, lambda: g.experiments, stop_sharing),
+                                       name="experiment-share") if share.active else None)
     yield
+    for t in list(g.shadow_tasks):
+        t.cancel()  # copies are worth nothing once the gateway stops; they never delay a shutdown
     for t in tasks:
         t.cancel()
     for t in tasks:
@@ -199,6 +215,11 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     if sharing is not None:
         stop_sharing.set()
         await sharing  # ends within one store round trip (each bounded by redis_timeout_s)
+    if exp_sharing is not None:
+        stop_sharing.set()
+        await exp_sharing
+    else:
+        await share.close()
     g.access_log.close()
 
 
@@ -231,6 +252,8 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
                         session_ttl_s=cfg.dashboard.session_ttl_s,
                         wrap=lambda h: guarded(h, key=False))  # its own sign-in: cookie or admin key
     r.add_post("/admin/reload", guarded(admin_reload))
+    r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
+    r.add_put("/admin/experiments/{name}", guarded(change_experiment))
     r.add_route("*", "/{tail:.*}", guarded(unmatched, key=False))
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_loops)

@@ -241,6 +241,66 @@ class BackendConfig(Strict):
         return v
 
 
+class ArmConfig(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    backends: tuple[str, ...] = Field(min_length=1)
+    weight: float = Field(1.0, ge=0)
+
+
+class ExperimentConfig(Strict):
+    """Arms of one public model's backends compared on live traffic (see gateway/experiments.py)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    model: str = Field(min_length=1)
+    # split: the subject's arm serves it. shadow: the model is served as usual (by its backends in no shadow
+    # arm) and a copy of a `fraction` of its requests goes to the subject's arm, off the client's path.
+    mode: Literal["split", "shadow"] = "split"
+    # What keeps one client on one arm: its API key, its session, the body's `user`, or `header:<name>`.
+    subject: str = "key"
+    arms: tuple[ArmConfig, ...] = Field(min_length=1)
+    fraction: float = Field(1.0, ge=0, le=1)
+    shadow_max_in_flight: int = Field(4, ge=1)  # copies in flight per shadow arm; more are skipped
+    enabled: bool = True
+
+    @field_validator("subject")
+    @classmethod
+    def _known_subject(cls, v: str) -> str:
+        if v in ("key", "session", "user"):
+            return v
+        name = v.removeprefix("header:").strip().lower()
+        if not v.startswith("header:") or not name or any(c.isspace() or c == ":" for c in name):
+            raise ValueError("expected `key`, `session`, `user` or `header:<header name>`")
+        return f"header:{name}"
+
+    @model_validator(mode="after")
+    def _arms(self) -> "ExperimentConfig":
+        names = [a.name for a in self.arms]
+        if len(names) != len(set(names)):
+            raise ValueError("arm names must be unique within an experiment")
+        seen: dict[str, str] = {}
+        for a in self.arms:
+            for b in a.backends:
+                if b in seen:
+                    raise ValueError(f"backend {b!r} is in two arms ({seen[b]!r} and {a.name!r}): "
+                                     "arms must not share a backend")
+                seen[b] = a.name
+        if not any(a.weight > 0 for a in self.arms):
+            raise ValueError("at least one arm needs a weight greater than 0")
+        if self.mode == "split" and len(self.arms) < 2:
+            raise ValueError("a split experiment needs two or more arms")
+        if self.mode == "shadow" and self.fraction <= 0:
+            raise ValueError("a shadow experiment needs a fraction greater than 0")
+        return self
+
+
+class ProbeConfig(Strict):
+    # Run the support probe (gateway/probe.py) when a backend becomes ready, and stop routing a model to a
+    # backend that fails one of the `require`d checks for it.
+    at_start: bool = False
+    timeout_s: float = Field(20.0, gt=0)
+    require: tuple[str, ...] = ("chat",)
+
+
 class GatewayConfig(Strict):
     server: ServerConfig = ServerConfig()
     auth: AuthConfig = AuthConfig(enabled=False)
@@ -253,7 +313,9 @@ class GatewayConfig(Strict):
     metrics: MetricsConfig = MetricsConfig()
     stats: StatsConfig = StatsConfig()
     dashboard: DashboardConfig = DashboardConfig()
+    probe: ProbeConfig = ProbeConfig()
     backends: tuple[BackendConfig, ...] = Field(min_length=1)
+    experiments: tuple[ExperimentConfig, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -269,6 +331,44 @@ class GatewayConfig(Strict):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"backend ids must be unique: {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _experiments_fit(self) -> "GatewayConfig":
+        served = {b.id: b.models for b in self.backends}
+        names, modes = set(), {}
+        for i, x in enumerate(self.experiments):
+            where = f"experiments.{i}"
+            if x.name in names:
+                raise ValueError(f"{where}.name: experiment names must be unique ({x.name!r} twice)")
+            names.add(x.name)
+            if not any(x.model in m for m in served.values()):
+                raise ValueError(f"{where}.model: no backend serves model {x.model!r}")
+            if (x.model, x.mode) in modes:
+                raise ValueError(f"{where}: model {x.model!r} already has a {x.mode} experiment "
+                                 f"({modes[x.model, x.mode]!r}); one of each mode per model")
+            modes[x.model, x.mode] = x.name
+            for j, arm in enumerate(x.arms):
+                for b in arm.backends:
+                    if b not in served:
+                        raise ValueError(f"{where}.arms.{j}.backends: unknown backend {b!r}")
+                    if x.model not in served[b]:
+                        raise ValueError(f"{where}.arms.{j}.backends: backend {b!r} does not serve {x.model!r}")
+        # A backend that serves a model's split arm must not also be kept out of serving it as a shadow arm.
+        for x in self.experiments:
+            if x.mode != "shadow":
+                continue
+            shadowed = {b for a in x.arms for b in a.backends}
+            for y in self.experiments:
+                if y.mode == "split" and y.model == x.model:
+                    both = sorted(shadowed & {b for a in y.arms for b in a.backends})
+                    if both:
+                        raise ValueError(f"backend {both[0]!r} is an arm of split experiment {y.name!r} and of "
+                                         f"shadow experiment {x.name!r}: an arm cannot be in two modes at once")
+            if all(set(served[b]) and x.model in served[b] and b in shadowed
+                   for b in served if x.model in served[b]):
+                raise ValueError(f"shadow experiment {x.name!r}: every backend of {x.model!r} is a shadow arm; "
+                                 "leave at least one to serve the model")
         return self
 
 
@@ -291,7 +391,10 @@ def _error_lines(err: ValidationError, prefix: tuple[str, ...] = ()) -> list[str
             msg = "unknown key"
         elif e["type"] == "value_error":
             msg = str(e.get("ctx", {}).get("error", msg))  # our own words, without pydantic's "Value error, "
-        lines.append(f"  {path}: {msg}")
+        if not e["loc"] and not prefix and msg.startswith("experiments."):
+            lines.append(f"  {msg}")  # a check across sections names its own field
+        else:
+            lines.append(f"  {path}: {msg}")
     return lines
 
 

@@ -12,6 +12,9 @@ INTERACTIVE = "interactive"
 DEFAULT = "default"
 CLASSES = (LONG_OUTPUT, LONG_PROMPT, INTERACTIVE, DEFAULT)
 
+# The engine path of each public route.
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
 # Health states of a backend.
 STARTING = "starting"
 READY = "ready"

@@ -252,6 +252,21 @@ class Metrics:
         self.health_changes = counter("shapegate_backend_health_changes", "Probe-driven health state changes",
                                       ["backend", "state"])
         self.reloads = counter("shapegate_config_reloads", "Configuration reloads by result", ["result"])
+        # Experiments: label values come from the configuration only (experiment, arm names) and the classes.
+        self.exp_requests = counter("shapegate_experiment_requests", "Attempts of requests under an experiment, "
+                                    "by arm and outcome", ["experiment", "arm", "class", "outcome"])
+        self.exp_ttft = histogram("shapegate_experiment_ttft_seconds", "Time to first token per experiment arm",
+                                  ["experiment", "arm", "class"], TTFT_BUCKETS)
+        self.exp_itl = histogram("shapegate_experiment_itl_seconds", "Inter-token latency per experiment arm",
+                                 ["experiment", "arm", "class"], ITL_BUCKETS)
+        self.exp_e2e = histogram("shapegate_experiment_e2e_seconds", "End-to-end latency per experiment arm",
+                                 ["experiment", "arm", "class"], E2E_BUCKETS)
+        self.shadow_copies = counter("shapegate_shadow_requests", "Shadow copies by arm and result (sent, ok, "
+                                     "engine_error, client_error, skipped_busy, skipped_unhealthy)",
+                                     ["experiment", "arm", "result"])
+        self.shadow_agreement = counter("shapegate_shadow_agreement", "Temperature-0 shadow copies whose output "
+                                        "matched the primary's exactly (same) or not (differs)",
+                                        ["experiment", "arm", "output"])
         self.log_dropped = counter("shapegate_access_log_dropped", "Access log lines dropped because stdout "
                                    "did not keep up")
         Gauge("shapegate_workers", "Gateway worker processes serving", registry=r,
@@ -370,6 +385,21 @@ class Metrics:
         served model or "" (never a client's free text), `klass` a request class or ""."""
         self.rejected.labels(str(status)).inc()
         self.requests.labels("", model, klass, str(status), REJECTED).inc()
+
+    def experiment(self, name: str, arm: str, klass: str, o) -> None:
+        self.exp_requests.labels(name, arm, klass, o.result).inc()
+        if o.result == OK:
+            if o.ttft is not None:
+                self.exp_ttft.labels(name, arm, klass).observe(o.ttft)
+            if o.itl is not None:
+                self.exp_itl.labels(name, arm, klass).observe(o.itl)
+            self.exp_e2e.labels(name, arm, klass).observe(o.e2e)
+
+    def shadow(self, name: str, arm: str, result: str) -> None:
+        self.shadow_copies.labels(name, arm, result).inc()
+
+    def agreement(self, name: str, arm: str, same: bool) -> None:
+        self.shadow_agreement.labels(name, arm, "same" if same else "differs").inc()
 
     def log_drop(self, lines: int) -> None:
         self.log_dropped.inc(lines)

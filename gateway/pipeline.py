@@ -10,19 +10,19 @@ from typing import Any, Mapping, Protocol
 import orjson
 from aiohttp import web
 
+from gateway import experiments, shadow
 from gateway.admission import admit
 from gateway.context import fitting
-from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, ReplyTooLarge, RequestShape,
-                               RouteInput, UpstreamCall)
+from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATHS, Outcome, ReplyTooLarge,
+                               RequestShape, RouteInput, UpstreamCall)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
                               hung_hold)
 from gateway.headers import trace_headers
-from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter
+from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.shape import classify, session_of
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 GATEWAY: web.AppKey = web.AppKey("gateway")
 REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
@@ -54,7 +54,7 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
 class RequestState:
     """What one client request gathers on its way: who sent it, its shape, where it went, how it ended."""
 
-    __slots__ = ("request_id", "principal", "shape", "backend", "reason", "outcome")
+    __slots__ = ("request_id", "principal", "shape", "backend", "reason", "outcome", "split", "shadow", "tap")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -63,6 +63,9 @@ class RequestState:
         self.backend = ""
         self.reason = ""
         self.outcome: Outcome | None = None  # the last attempt's
+        self.split = None  # the split experiment (gateway/experiments.py) whose arms serve this request
+        self.shadow = None  # (shadow experiment, arm) a copy may go to
+        self.tap = None  # where the reply goes when a copy went out (gateway/shadow.py)
 
 
 class Exchange(Protocol):
@@ -99,6 +102,9 @@ async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
         raise model_not_found(shape.model)
     now = time.monotonic()
     candidates = g.pool.candidates(shape.model, shape.klass, now)
+    arm = None
+    if g.experiments and shape.model in g.experiments.models:
+        candidates, arm = experiments.enter(g.experiments, st, shape, body, headers, candidates)
     if not candidates:
         raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
@@ -108,9 +114,12 @@ async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
     if g.affinity is not None:
         affinity, cached = g.affinity.lookup(shape)
         g.metrics.affinity(affinity is not None)
-    decision = policy.rank(RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached))
+    route_in = RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached)
+    decision = policy.rank(route_in) if arm is None else experiments.rank_arm_first(policy, route_in, arm)
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
+    if st.shadow is not None:
+        st.tap = shadow.launch(g, *st.shadow, st, shape, body, raw)  # starts once this request has gone out
     return await dispatch(ex, st, g, shape, body, raw, decision, t_in)
 
 
@@ -245,8 +254,10 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
         except TRANSPORT_ERRORS as e:
             b.breaker.on_failure(loop_now())
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
-        usage = _usage_of(data)
+        usage = usage_of(data)
         outcome_ok = True
+        if st.tap is not None:
+            st.tap.add(data)
         if started > b.last_output:
             b.last_output = started
         return ex.reply(status, g.reply_headers(st, reply.headers), rename(data))
@@ -281,7 +292,7 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
             cached_tokens=_cached(usage), running_at_start=running_at_start,
             result=OK if outcome_ok else CLIENT_ERROR if engine_ok else CLIENT_LEFT if left else ENGINE_ERROR)
-        g.record(b, shape, o, t_in, t0)
+        g.record(b, shape, o, t_in, t0, st.split)
 
 
 async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body,
@@ -324,6 +335,9 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
                      max_event=g.cfg.upstream.max_event_bytes)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
     g.streams.add(task)
+    tap = st.tap
+    if tap is not None:
+        tap.add(first)
     try:
         try:
             await relay.feed(first)
@@ -340,6 +354,8 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
                     await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
                                      else upstream_failed("the engine stopped mid-stream"))
                     return resp
+                if tap is not None:
+                    tap.add(chunk)
                 await relay.feed(chunk)
         except EventTooLarge as e:
             b.breaker.on_failure(time.monotonic())
@@ -374,22 +390,6 @@ def _first_event_error(first: bytes) -> GatewayError | None:
     except orjson.JSONDecodeError:
         return None
     return error_from_event(payload) if isinstance(payload, dict) else None
-
-
-_USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
-
-
-def _usage_of(data: bytes) -> dict | None:
-    """Token counts from a non-streamed reply without parsing the whole body (it may be large)."""
-    i = data.rfind(b'"usage"')
-    if i < 0:
-        return None
-    found = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
-    if not found:
-        return None
-    if "cached_tokens" in found:
-        found["prompt_tokens_details"] = {"cached_tokens": found.pop("cached_tokens")}
-    return found
 
 
 def _cached(usage: dict | None) -> int:

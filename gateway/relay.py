@@ -216,3 +216,19 @@ class SSERelay:
             obj["usage"] = None  # continuous usage the client did not ask for
             return b"data: " + orjson.dumps(obj)
         return ev
+
+
+_USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
+
+
+def usage_of(data: bytes) -> dict | None:
+    """Token counts from a non-streamed reply without parsing the whole body (it may be large)."""
+    i = data.rfind(b'"usage"')
+    if i < 0:
+        return None
+    found = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
+    if not found:
+        return None
+    if "cached_tokens" in found:
+        found["prompt_tokens_details"] = {"cached_tokens": found.pop("cached_tokens")}
+    return found

@@ -12,6 +12,7 @@ from aiohttp import web
 from gateway.auth import Authenticator
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_config
 from gateway.errors import GatewayError
+from gateway.experiments import Experiments
 from gateway.pipeline import GATEWAY
 from gateway.runtime import build_policy
 
@@ -80,6 +81,7 @@ def apply(g, new: GatewayConfig) -> ReloadPlan:
         g.cfg = old_cfg  # nothing else was touched yet
         raise
     g.auth = auth
+    g.experiments = Experiments(new.experiments, previous=g.experiments)  # same experiments keep their samples
     g.default_policy, g.model_policies = default_policy, model_policies
     g.wants_prefix = any(getattr(x, "needs_prefix", False) for x in (default_policy, *model_policies.values()))
     g.access_log.enabled = new.server.access_log

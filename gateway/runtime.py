@@ -18,6 +18,7 @@ import policies
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.context import PromptSizer
+from gateway.experiments import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
 from gateway.headers import safe_value
 from gateway.metrics import Metrics
@@ -142,6 +143,9 @@ class Gateway:
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
         # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
         self.tally = Tally()
+        self.experiments = Experiments(cfg.experiments)
+        self.shadow_tasks: set = set()  # copies in flight (gateway/shadow.py): cancelled at shutdown
+        self.experiments_cache = None  # the last /admin/experiments report (gateway/experiment_admin.py)
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.request_ids = RequestIds()
         self.started = int(time.time())
@@ -202,10 +206,13 @@ class Gateway:
         h["x-request-id"] = st.request_id
         h["x-shapegate-backend"] = st.backend
         h["x-shapegate-reason"] = st.reason
+        if st.split is not None or st.shadow is not None:
+            h[ARM_HEADER] = arm_of(st)
         return h
 
     # -- record stage ----------------------------------------------------------------------------
-    def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float) -> None:
+    def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
+               split=None) -> None:
         if self.cfg.stats.enabled:
             now = time.monotonic()
             load = b.load
@@ -217,6 +224,11 @@ class Gateway:
         else:
             self.metrics.count(b.id, shape.model, shape.klass, o.status, o.prompt_tokens, o.completion_tokens,
                                o.result)
+        if split is not None:  # the request was assigned an arm: the attempt counts for its backend's arm
+            arm = split.arm_of(b.id)
+            if arm is not None:
+                split.record(arm, shape.klass, o)
+                self.metrics.experiment(split.name, arm, shape.klass, o)
         policy = self.policy_for(shape.model)
         policy.observe(o)
         if self.affinity is not None and o.ok:
@@ -237,6 +249,8 @@ class Gateway:
         elif st.reason and shape is not None:
             kind = self.metrics.reason_kind(self.policy_name(shape.model), st.reason)
             self.tally.add(("reason", klass, kind), time.monotonic())
+        if st.tap is not None and not st.tap.done.done():
+            st.tap.done.set_result(st.outcome)  # the shadow copy's comparison may start
         if self.access_log.enabled:
             self.access_log.write(self._log_line(st, status, result))
 
@@ -246,7 +260,10 @@ class Gateway:
                 "principal": principal.id if principal is not None else None,
                 "model": None, "class": None, "backend": st.backend or None, "reason": st.reason or None,
                 "status": status, "outcome": result, "stream": None, "ttft_ms": None, "itl_ms": None,
-                "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None}
+                "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None, "experiment": None, "arm": None}
+        if st.split is not None or st.shadow is not None:
+            line["experiment"] = (st.split or st.shadow[0]).name
+            line["arm"] = arm_of(st)
         if shape is not None:
             line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
         if o is not None:
@@ -269,6 +286,13 @@ def request_result(o: Outcome | None, status: int) -> str:
     if status < 500 and status != 429:
         return CLIENT_ERROR
     return REJECTED
+
+
+def arm_of(st: RequestState) -> str:
+    """The arm that served a request under experiment: its backend's arm in a split, else the primary."""
+    if st.split is not None:
+        return st.split.arm_of(st.backend) or ""
+    return PRIMARY
 
 
 def _ms(v: float | None) -> float | None:

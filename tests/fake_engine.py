@@ -27,6 +27,8 @@ class Knobs:
     health_status: int = 200
     aborted: int = 0
     active: int = 0
+    max_active: int = 0  # the most requests it held at once
+    word: str = "w"  # the output is "<word>0 <word>1 ...": engines with another word answer differently
 
 
 KNOBS: web.AppKey[Knobs] = web.AppKey("knobs", Knobs)
@@ -49,6 +51,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     k.seen.append(body)
     k.headers_seen.append(request.headers.copy())
     k.active += 1
+    k.max_active = max(k.max_active, k.active)
     try:
         if k.gate is not None:
             await k.gate.wait()
@@ -61,7 +64,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         model = body.get("model", "fake")
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or k.stream_chunks)
         if not body.get("stream"):
-            text = " ".join(f"w{i}" for i in range(n))
+            text = " ".join(f"{k.word}{i}" for i in range(n))
             if route == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
             else:
@@ -83,7 +86,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
                 return resp
             if k.chunk_delay:
                 await asyncio.sleep(k.chunk_delay)
-            await resp.write(_chunk(model, f"w{i} ", route=route))
+            await resp.write(_chunk(model, f"{k.word}{i} ", route=route))
         await resp.write(_chunk(model, None, "length", route) if route == "chat" else _chunk(model, "", "length", route))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage") or k.usage_default:

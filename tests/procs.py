@@ -34,10 +34,10 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: dict[str, Any]) -> str:
-    """Enough TOML for a gateway config: [sections] of scalars/inline tables, and [[backends]]."""
+    """Enough TOML for a gateway config: [sections] of scalars/inline tables, [[backends]] and [[experiments]]."""
     lines = []
     for section, body in cfg.items():
-        if section == "backends" or section == "auth":
+        if section in ("backends", "auth", "experiments"):
             continue
         lines.append(f"[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
@@ -47,9 +47,10 @@ def to_toml(cfg: dict[str, Any]) -> str:
     for key in auth.get("keys", ()):
         lines.append("[[auth.keys]]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in key.items()]
-    for b in cfg.get("backends", ()):
-        lines.append("[[backends]]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in b.items()]
+    for table in ("backends", "experiments"):
+        for b in cfg.get(table, ()):
+            lines.append(f"[[{table}]]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in b.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,7 @@ from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.procs import ROOT, to_toml, wait_http
 
 FIELDS = {"ts", "request_id", "principal", "model", "class", "backend", "reason", "status", "outcome", "stream",
-          "ttft_ms", "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens"}
+          "ttft_ms", "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "experiment", "arm"}
 
 
 async def post(s: aiohttp.ClientSession, url: str, rid: str, body: dict | bytes) -> int:

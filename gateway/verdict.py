@@ -1,0 +1,246 @@
+"""A/B verdicts between two arms of engines on live traffic: bootstrap CI of the ratio, measured noise floor."""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from typing import Any, Iterable
+
+import numpy as np
+
+METRICS = ("ttft", "itl", "e2e", "output_tps", "error_rate")
+LOWER_IS_BETTER = {"ttft", "itl", "e2e", "error_rate"}
+HIGHER_IS_BETTER = {"output_tps"}
+NAMES = {"ttft": "TTFT", "itl": "ITL", "e2e": "e2e", "output_tps": "output tok/s", "error_rate": "error rate"}
+
+# Resamples and A/A splits are drawn this many values at a time: the buffers stay at 1 MB whatever the arm
+# size, small enough to stay in cache and large enough to amortise numpy's per-call overhead.
+_CHUNK = 1 << 16
+
+
+class Reservoir:
+    """A uniform sample of at most `cap` values of a stream (Algorithm R): every value seen is kept with
+    probability cap/seen, so an arm's early traffic does not outweigh its recent traffic or vice versa."""
+
+    __slots__ = ("cap", "seen", "values", "_random")
+
+    def __init__(self, cap: int = 2000, seed: int = 0) -> None:
+        if cap < 1:
+            raise ValueError("cap must be at least 1")
+        self.cap = cap
+        self.seen = 0
+        self.values: list[float] = []
+        self._random = random.Random(seed).random
+
+    def add(self, x: float) -> None:
+        # Runs on every request's record path: plain Python, no numpy, no allocation once full. random() * seen
+        # instead of randrange(seen) is several times cheaper; its bias is below 2**-53 per draw.
+        self.seen += 1
+        if len(self.values) < self.cap:
+            self.values.append(x)
+        else:
+            j = int(self._random() * self.seen)
+            if j < self.cap:
+                self.values[j] = x
+
+
+def _clean(samples: Iterable[float]) -> np.ndarray:
+    # A NaN or infinite latency (a figure that was never measured) would poison every mean; such samples carry
+    # no information, so they are dropped rather than allowed to turn the whole verdict into NaN.
+    if not isinstance(samples, np.ndarray):
+        samples = list(samples)
+    x = np.asarray(samples, dtype=float).ravel()
+    return x[np.isfinite(x)]
+
+
+def _fig(x: Any, digits: int = 4) -> float | None:
+    """A JSON-ready figure: `digits` significant digits, None where the figure is undefined (NaN, inf)."""
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{float(x):.{digits}g}")
+
+
+def summary(samples: Iterable[float]) -> dict:
+    """Count, mean and tail percentiles of one arm's samples; None for every figure when there are none."""
+    x = _clean(samples)
+    if not len(x):
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return {"n": int(len(x)), "mean": _fig(x.mean()), "p50": _fig(p50), "p90": _fig(p90), "p99": _fig(p99)}
+
+
+def _floor(n1: int, n2: int) -> float:
+    """What an error rate is raised by before two samples of n1 and n2 requests are compared.
+
+    Error rates are means of 0/1 and often exactly 0, which no ratio survives. Both sides get the same floor,
+    half an error per side's worth of requests: ratios stay finite, equal observed rates (0 and 0 included)
+    still give exactly 1 whatever the sizes, and a rate of a few errors moves by a fraction of one error.
+    Per-arm smoothing such as (errors + 0.5)/(n + 1) would not: two error-free arms of 1000 and 900 requests
+    would read as 11 % apart with a zero-width bootstrap CI. The same rule serves the A/B ratio, its bootstrap
+    resamples and the A/A halves, so each is smoothed at the scale of the samples it compares.
+    """
+    return 1.0 / (n1 + n2)
+
+
+def _centre(sums: Any, n: int, floor: float) -> Any:
+    return sums / n + floor
+
+
+def _bootstrap(x: np.ndarray, resamples: int, rng: np.random.Generator, floor: float) -> np.ndarray:
+    """Means of `resamples` resamples of x with replacement."""
+    n = len(x)
+    rows = max(1, min(resamples, _CHUNK // n))
+    # Two buffers serve every chunk: fresh chunk-sized arrays would each be mapped and faulted in anew, which
+    # cost more than the draws themselves. buf holds uniforms, then the resampled values; idx the indices.
+    buf, idx = np.empty((rows, n)), np.empty((rows, n), dtype=np.intp)
+    sums = np.empty(resamples)
+    for start in range(0, resamples, rows):
+        k = min(rows, resamples - start)
+        rng.random(out=buf[:k])
+        buf[:k] *= n
+        np.copyto(idx[:k], buf[:k], casting="unsafe")  # truncation: uniform indices 0..n-1
+        # "clip" rather than "raise": no buffered copy, and a u * n rounded up to n takes the last sample.
+        np.take(x, idx[:k], out=buf[:k], mode="clip")
+        buf[:k].sum(axis=1, out=sums[start:start + k])
+    return _centre(sums, n, floor)
+
+
+def _aa(x: np.ndarray, repeats: int, rng: np.random.Generator, rate: bool) -> np.ndarray:
+    """|log(mean(h1) / mean(h2))| over `repeats` random splits of x into two equal halves: how far the ratio
+    strays from 1 when both sides are the same arm. A split with one half at mean 0 counts as infinitely noisy."""
+    m = len(x) // 2
+    if m == 0:
+        return np.empty(0)
+    floor = _floor(m, m) if rate else 0.0
+    rows = max(1, min(repeats, _CHUNK // len(x)))
+    buf = np.empty((rows, len(x)))
+    out = np.empty(repeats)
+    for start in range(0, repeats, rows):
+        k = min(rows, repeats - start)
+        shuffled = buf[:k]
+        shuffled[:] = x
+        rng.permuted(shuffled, axis=1, out=shuffled)
+        h1 = _centre(shuffled[:, :m].sum(axis=1), m, floor)
+        h2 = _centre(shuffled[:, m:2 * m].sum(axis=1), m, floor)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[start:start + k] = np.where(h1 == h2, 0.0, np.abs(np.log(h1 / h2)))  # 0 == 0 is no noise
+    out[~np.isfinite(out)] = np.inf
+    return out
+
+
+def _seed(klass: str, metric: str, a: str, b: str) -> int:
+    # Python's hash() of a str changes from process to process; the same data must give the same verdict on
+    # every worker and after every restart.
+    return zlib.crc32("\0".join((klass, metric, a, b)).encode())
+
+
+def _needed(n: int, gap: float, lo: float, hi: float, noise: float, margin: float) -> int | None:
+    """More samples per arm until the point estimate, if it held, would reach a verdict.
+
+    All in logs, where the margins are symmetric and swapping the arms only flips signs. The CI's half-width
+    and the measured noise floor both shrink as 1/sqrt(n); the equivalence margin does not. A difference needs
+    both below the gap; no_difference needs the gap plus the half-width inside the margin. Whichever asks the
+    smaller shrink factor s sets the estimate: n / s**2 samples in all.
+    """
+    half = (math.log(hi) - math.log(lo)) / 2 if lo > 0 else 0.0
+    if half <= 0:
+        return None
+    shrink = gap / max(half, noise)
+    if gap < margin:
+        shrink = max(shrink, (margin - gap) / half)
+    if shrink <= 0:
+        return None
+    return max(1, math.ceil(n * (1 / shrink ** 2 - 1)))
+
+
+def compare(klass: str, metric: str, a: str, a_samples: Iterable[float], b: str, b_samples: Iterable[float], *,
+            resamples: int = 1000, aa_repeats: int = 100, min_samples: int = 30, equivalence: float = 0.05,
+            seed: int | None = None) -> dict:
+    """Verdict on arm b against arm a for one request class and metric; JSON-ready, never NaN or inf.
+
+    ratio = mean_b / mean_a with a 95 % percentile-bootstrap CI. The noise floor is measured by A/A splits:
+    each arm's samples are cut into two random halves `aa_repeats` times, and the floor is the 95th percentile
+    of |mean(h1)/mean(h2)| - 1 (the larger half over the smaller) pooled over both arms. That is conservative:
+    a half holds n/2 samples, so the A/A ratio varies about sqrt(2) times as much as the A/B ratio of two
+    whole arms of n samples would if the arms were the same.
+
+    Verdicts: a difference needs the CI to exclude 1 and the ratio outside [1/(1+f), 1+f], f the noise floor;
+    "no_difference" needs the whole CI inside [1/(1+d), 1+d], d = max(f, equivalence); anything else (or fewer
+    than `min_samples` in an arm) is "insufficient_data" with an estimate of the samples still `needed` per arm.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; expected one of {METRICS}")
+    if a == b:
+        raise ValueError("the two arms must have different names")
+    xa, xb = _clean(a_samples), _clean(b_samples)
+    na, nb = len(xa), len(xb)
+    rate = metric == "error_rate"
+    rng = np.random.default_rng(_seed(klass, metric, a, b) if seed is None else seed)
+
+    ratio = lo = hi = noise = None
+    if na and nb:
+        floor = _floor(na, nb) if rate else 0.0
+        ma, mb = _centre(xa.sum(), na, floor), _centre(xb.sum(), nb, floor)
+        if ma > 0 and mb >= 0:
+            ratio = float(mb / ma)
+            boot_a, boot_b = _bootstrap(xa, resamples, rng, floor), _bootstrap(xb, resamples, rng, floor)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lo, hi = (float(v) for v in np.percentile(boot_b / boot_a, [2.5, 97.5]))
+            aa = np.concatenate([_aa(xa, aa_repeats, rng, rate), _aa(xb, aa_repeats, rng, rate)])
+            if len(aa):
+                noise = float(np.quantile(aa, 0.95, method="higher"))  # in logs until reported
+    # A resample whose denominator is 0 makes its ratio inf or NaN; such an interval says nothing.
+    lo, hi, noise = (v if v is not None and math.isfinite(v) else None for v in (lo, hi, noise))
+
+    needed = None
+    if min(na, nb) < min_samples:
+        verdict, needed = "insufficient_data", min_samples - min(na, nb)
+    elif ratio is None or lo is None or hi is None or noise is None:
+        verdict = "insufficient_data"
+    else:
+        gap = abs(math.log(ratio)) if ratio > 0 else math.inf
+        band = max(noise, math.log1p(equivalence))  # log(1 + d)
+        if (lo > 1 or hi < 1) and gap > noise:
+            verdict = "b_better" if (ratio < 1) == (metric in LOWER_IS_BETTER) else "a_better"
+        elif lo > 0 and -band <= math.log(lo) and math.log(hi) <= band:
+            verdict = "no_difference"
+        else:
+            verdict = "insufficient_data"
+            needed = _needed(min(na, nb), gap, lo, hi, noise, math.log1p(equivalence))
+
+    return {
+        "class": klass, "metric": metric, "arms": [a, b],
+        "n": {a: na, b: nb},
+        # The observed means, without the error-rate floor: an arm without errors reads 0.
+        "mean": {a: _fig(xa.mean()) if na else None, b: _fig(xb.mean()) if nb else None},
+        "ratio": _fig(ratio), "ci_low": _fig(lo), "ci_high": _fig(hi),
+        "noise_floor": _fig(math.expm1(noise)) if noise is not None else None,
+        "verdict": verdict, "needed": needed,
+        "better_is": "lower" if metric in LOWER_IS_BETTER else "higher",
+    }
+
+
+def _pct(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 2 else f"{v:.1f}"
+
+
+def describe(c: dict) -> str:
+    """One plain sentence for a compare() result."""
+    name, klass = NAMES.get(c["metric"], c["metric"]), c["class"]
+    a, b = c["arms"]
+    if c["verdict"] in ("a_better", "b_better"):
+        # Speak of the winner against the loser: winner/loser = ratio when b wins, 1/ratio when a wins.
+        flip = c["verdict"] == "a_better"
+        winner, loser = (a, b) if flip else (b, a)
+        r, lo, hi = c["ratio"], c["ci_low"], c["ci_high"]
+        if flip:  # an arm at 0 (no output at all) makes the winner infinitely better; say so rather than raise
+            r, lo, hi = (1 / v if v else math.inf for v in (r, hi, lo))
+        word = "lower" if r < 1 else "higher"
+        near, far = sorted((abs(lo - 1) * 100, abs(hi - 1) * 100))
+        return (f"arm {winner}: {name} {_pct(abs(r - 1) * 100)} % {word} "
+                f"(95 % CI {_pct(near)}-{_pct(far)} %) than {loser} on {klass}")
+    if c["verdict"] == "no_difference":
+        return f"{name} on {klass}: not distinguishable (noise floor {_pct(c['noise_floor'] * 100)} %)"
+    more = f" (about {c['needed']} more requests per arm)" if c.get("needed") else ""
+    return f"{name} on {klass}: not enough data yet{more}"

@@ -1,0 +1,171 @@
+"""Shadow experiments through a real gateway: the client's reply untouched, the budget held, outputs compared."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from tests.e2e.targets import wait_for
+from tests.fake_engine import FakeEngine
+from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+
+MODEL, CONTROL = "m", "c"
+
+
+@pytest.fixture
+async def engines():
+    es = [await FakeEngine().start() for _ in range(3)]
+    yield es
+    for e in es:
+        await e.stop()
+
+
+def shadow_config(engines, shadow=True, budget=4, candidate=1) -> dict:
+    backends = [{"id": "primary", "engine": "vllm", "url": engines[0].url, "models": [MODEL, CONTROL]},
+                {"id": "cand", "engine": "vllm", "url": engines[candidate].url, "models": [MODEL]}]
+    cfg = gateway_config(backends)
+    if shadow:
+        cfg["experiments"] = [{"name": "sh", "model": MODEL, "mode": "shadow", "shadow_max_in_flight": budget,
+                               "arms": [{"name": "candidate", "backends": ["cand"]}]}]
+    return cfg
+
+
+async def report(gw) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/admin/experiments", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+            return (await r.json())["data"][0]
+
+
+async def raw_post(gw, body: dict) -> tuple[dict, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {USER_KEY}"}) as r:
+            return dict(r.headers), await r.read()
+
+
+async def wait_until(condition, timeout: float) -> None:
+    async def check() -> bool:
+        return bool(condition())
+    await wait_for(check, timeout)
+
+
+def chat(stream: bool, model: str = MODEL, temperature: float | None = 0) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": stream}
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
+
+
+async def test_the_client_reply_is_byte_identical_and_the_candidate_never_serves(engines):
+    plain = await start_gateway(shadow_config(engines, shadow=False))
+    shadowed = await start_gateway(shadow_config(engines))
+    try:
+        for stream in (False, True):
+            h1, b1 = await raw_post(plain, chat(stream))
+            h2, b2 = await raw_post(shadowed, chat(stream))
+            assert b1 == b2
+            assert h2["x-shapegate-backend"] == "primary" and h2["x-shapegate-arm"] == "primary"
+        for _ in range(20):
+            h, _ = await raw_post(shadowed, chat(False))
+            assert h["x-shapegate-backend"] == "primary"
+        await wait_until(lambda: engines[1].knobs.active == 0 and len(engines[1].knobs.seen) >= 20, timeout=5)
+        # The copies carry the same request, marked, with the client's request id extended.
+        copy = engines[1].knobs.headers_seen[-1]
+        assert copy["x-shapegate-shadow"] == "sh" and copy["x-request-id"].endswith(".shadow")
+    finally:
+        await plain.stop()
+        await shadowed.stop()
+
+
+async def test_the_client_latency_stays_within_the_noise_of_a_same_run_control(engines):
+    # Model m is shadowed, model c is not; both are served by the same engine (a few ms per token, as an
+    # engine takes), requests interleaved, three rounds. The copies cost the gateway some CPU, never a wait.
+    for e in engines[:2]:
+        e.knobs.chunk_delay = 0.002
+    gw = await start_gateway(shadow_config(engines))
+    try:
+        rounds: list[dict[str, float]] = []
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=USER_KEY, max_retries=0) as c:
+            for _ in range(3):
+                times: dict[str, list[float]] = {MODEL: [], CONTROL: []}
+                for i in range(40):
+                    model = (MODEL, CONTROL)[i % 2]
+                    t0 = time.perf_counter()
+                    stream = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                                             max_tokens=6, temperature=0, stream=True)
+                    async for _ in stream:
+                        pass
+                    times[model].append(time.perf_counter() - t0)
+                rounds.append({m: statistics.median(v) for m, v in times.items()})
+        control = statistics.median(r[CONTROL] for r in rounds)
+        shadowed = statistics.median(r[MODEL] for r in rounds)
+        noise = max(r[CONTROL] for r in rounds) - min(r[CONTROL] for r in rounds)  # the control's own spread
+        print(f"medians of 3 rounds: shadowed {shadowed * 1e3:.2f} ms, control {control * 1e3:.2f} ms, "
+              f"control spread over rounds {noise * 1e3:.2f} ms")
+        assert shadowed <= control + max(noise, 0.05 * control)
+        x = await report(gw)
+        assert x["arms"][1]["shadow"]["sent"] >= 50
+    finally:
+        await gw.stop()
+
+
+async def test_the_budget_holds_against_a_slow_candidate(engines):
+    engines[1].knobs.gate = asyncio.Event()  # the candidate holds every copy until released
+    gw = await start_gateway(shadow_config(engines, budget=2))
+    try:
+        for _ in range(8):
+            h, _ = await raw_post(gw, chat(False))
+            assert h["x-shapegate-backend"] == "primary"  # answered at once: the copies never delay the client
+        await wait_until(lambda: engines[1].knobs.active == 2, timeout=5)
+        x = await report(gw)
+        sh = x["arms"][1]["shadow"]
+        assert sh["sent"] == 2 and sh["skipped_busy"] == 6 and sh["in_flight"] == 2
+        engines[1].knobs.gate.set()
+        await wait_until(lambda: engines[1].knobs.active == 0, timeout=5)
+        assert engines[1].knobs.max_active == 2
+    finally:
+        await gw.stop()
+
+
+async def test_a_dead_candidate_is_skipped_and_counted(engines):
+    gw = await start_gateway(shadow_config(engines))
+    try:
+        await engines[1].stop()
+        await wait_until(lambda: gw.state.pool.get("cand").health.state != "ready", timeout=5)
+        for _ in range(3):
+            h, _ = await raw_post(gw, chat(False))
+            assert h["x-shapegate-backend"] == "primary"
+        x = await report(gw)
+        assert x["arms"][1]["shadow"]["skipped_unhealthy"] == 3
+    finally:
+        await gw.stop()
+
+
+@pytest.mark.parametrize("same", [True, False])
+async def test_agreement_of_outputs_at_temperature_zero(engines, same):
+    if not same:
+        engines[2].knobs.word = "z"  # another engine that says something else
+    gw = await start_gateway(shadow_config(engines, candidate=1 if same else 2))
+    try:
+        for stream in (False, True, False, True):
+            await raw_post(gw, chat(stream))
+        await raw_post(gw, chat(False, temperature=0.7))  # not greedy: not compared
+        x = gw.state.experiments.by_name["sh"]
+        # Each copy's comparison is made as its primary's figures are recorded: after five, all are in.
+        await wait_until(lambda: (c := x.classes.get(("primary", "all"))) is not None and c.requests == 5,
+                         timeout=5)
+        ag = (await report(gw))["arms"][1]["shadow"]["agreement"]
+        assert ag["compared"] == 4
+        if same:
+            assert ag["exact"] == 4 and ag["common_prefix_share"]["mean"] == 1.0
+            assert ag["common_prefix_tokens"]["n"] == 2 and ag["common_prefix_tokens"]["mean"] == 6
+        else:
+            assert ag["exact"] == 0 and ag["common_prefix_share"]["mean"] == 0.0
+            assert ag["common_prefix_tokens"]["mean"] == 0
+    finally:
+        await gw.stop()
