@@ -7,7 +7,7 @@ split experiment (vllm vs sglang, 50/50 by the request's `user`), a mixed worklo
 higher TTFT (40 vs 17 ms at c=1) and the lower ITL. Shadow runs: vLLM serves, every request is copied to
 SGLang at temperature 0, and the report gives the candidate's figures and whether its outputs agree.
 
-Usage: python -m benchmarks.ab [--repeats 3] [--window 120] [--quick]
+Usage: python -m benchmarks.ab [--repeats 3] [--window 120] [--quick] [--from-json FILE]
 Writes benchmarks/results/ab.{md,json}.
 """
 
@@ -173,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=120.0, help="seconds of arrivals per run")
     ap.add_argument("--quick", action="store_true", help="one repeat of each mode, 20 s windows")
     ap.add_argument("--output", default=str(RESULTS / "ab"), help="path prefix of the .md and .json")
+    ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        md = ab_report.markdown(data["meta"], data["runs"])
+        Path(args.from_json).with_suffix(".md").write_text(md)
+        print(md)
+        return 0
     if args.quick:
         args.repeats, args.window = 1, 20.0
     ctx = multiprocessing.get_context("spawn")

@@ -1,4 +1,4 @@
-"""The `shapegate` command: serve | check | sim | demo | keys."""
+"""The `shapegate` command: serve | check | probe | ab | sim | demo | keys."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 
+from gateway import ab_report
 from gateway.auth import hash_key, new_key
 from gateway.config import ConfigError, GatewayConfig, load_config
 
@@ -145,6 +146,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return check.run(cfg, args.config, args.timeout)
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from gateway import probe
+
+    cfg = read_config(args.config)
+    return probe.run(cfg, args.timeout or cfg.probe.timeout_s, args.json)
+
+
 def _seconds(text: str) -> float:
     t = float(text)
     if not t > 0:
@@ -193,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per engine request (default 10)")
     c.set_defaults(func=cmd_check)
 
+    pr = sub.add_parser("probe", help="ask each backend's engine which OpenAI features it supports per model",
+                        description="Validate the configuration (exit 2 if invalid), then try each feature on each "
+                                    "backend's engine directly, for each model it serves, and print the support "
+                                    "matrix. Exit 0 when the checks [probe] require pass everywhere, else 1.")
+    pr.add_argument("--config", required=True, help="path to the TOML configuration")
+    pr.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    pr.add_argument("--timeout", type=_seconds, default=None,
+                    help="seconds per engine request (default: [probe] timeout_s)")
+    pr.set_defaults(func=cmd_probe)
+    ab_report.add_parser(sub)  # `shapegate ab`: the verdicts of a running gateway's experiments
+
     k = sub.add_parser("keys", help="make API keys and their digests",
                        description="API keys are stored in config only as SHA-256 digests.")
     ks = k.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
@@ -214,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start three simulated engines and the gateway; Ctrl-C stops all.")
         d.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
         d.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+        d.add_argument("--ab", action="store_true", help="also run an A/B experiment: vLLM against SGLang")
         d.set_defaults(func=cmd_demo)
     return p
 

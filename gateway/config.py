@@ -293,12 +293,25 @@ class ExperimentConfig(Strict):
         return self
 
 
+# What the support probe (gateway/probe_checks.py) tries on each backend, in this order.
+PROBE_CHECKS = ("answers", "chat", "completions", "stream", "stream_usage", "n", "tools", "json_schema",
+                "logprobs", "context")
+
+
 class ProbeConfig(Strict):
     # Run the support probe (gateway/probe.py) when a backend becomes ready, and stop routing a model to a
     # backend that fails one of the `require`d checks for it.
     at_start: bool = False
     timeout_s: float = Field(20.0, gt=0)
     require: tuple[str, ...] = ("chat",)
+
+    @field_validator("require")
+    @classmethod
+    def _known_checks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            if name not in PROBE_CHECKS:
+                raise ValueError(f"unknown check {name!r}; expected some of {', '.join(PROBE_CHECKS)}")
+        return v
 
 
 class GatewayConfig(Strict):

@@ -24,7 +24,7 @@ PORTFOLIO = (
 )
 
 
-def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int) -> dict:
+def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int, ab: bool = False) -> dict:
     backends = []
     for bid, engine, _profile, native, extra in PORTFOLIO:
         models = {MODEL: native, **{m: m for m in extra}}
@@ -32,16 +32,25 @@ def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int) -> 
         if engine == "llamacpp":
             entry["interactive"] = True
         backends.append(entry)
-    return {
+    cfg = {
         "server": {"host": host, "port": port, "access_log": False},
         "auth": {"keys": [{"id": "demo", "sha256": key_digest, "admin": True}]},
         "routing": {"policy": "shape"},
         "dashboard": {"secure_cookie": False},
         "backends": backends,
     }
+    if ab:  # vLLM against SGLang for the model all three serve, each end user (a header) on one of them
+        cfg["experiments"] = [{"name": "vllm-vs-sglang", "model": MODEL, "subject": "header:x-end-user",
+                               "arms": [{"name": "vllm", "backends": ["vllm-0"]},
+                                        {"name": "sglang", "backends": ["sglang-0"]}]}]
+    return cfg
 
 
-def banner(url: str, key: str) -> str:
+def banner(url: str, key: str, ab: bool = False) -> str:
+    experiment = f"""
+A/B experiment vllm-vs-sglang on {MODEL}: each x-end-user header value sticks to one arm.
+  verdicts: shapegate ab --url {url} --key {key}   (also {url}/admin/experiments, {url}/dashboard)
+""" if ab else ""
     return f"""
 shapegate demo is running: {url}
   engines : vllm-0 (vLLM-like), sglang-0 (SGLang-like), llama-0 (llama.cpp Vulkan-like), simulated
@@ -60,12 +69,13 @@ Python:
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.model)
 
+{experiment}
 Press Ctrl-C to stop.
 """
 
 
 async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
-                   stop: asyncio.Event | None = None) -> None:
+                   stop: asyncio.Event | None = None, ab: bool = False) -> None:
     sims = {}
     front = None
     stop = stop or asyncio.Event()
@@ -77,10 +87,10 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
             sims[bid] = await start_sim(SimOptions(engine=engine, model=native, profile=profile,
                                                    served_model_names=extra))
         key = new_key()
-        cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port),
+        cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port, ab),
                            build_policy)
         front = await start_serving(build_app(cfg), host, port)
-        print(banner(f"http://{host}:{port}", key), flush=True)
+        print(banner(f"http://{host}:{port}", key, ab), flush=True)
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -97,5 +107,5 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    uvloop.run(run_demo(args.host, args.port))
+    uvloop.run(run_demo(args.host, args.port, ab=args.ab))
     return 0

@@ -12,6 +12,7 @@ import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.contracts import DRAINING, READY, STARTING, UNHEALTHY, ProbeResult
+from gateway.probe import start_verifying, stop_verifying
 
 log = logging.getLogger("shapegate.health")
 
@@ -171,17 +172,20 @@ async def probe_loop(pool, health_cfg: Callable[[], HealthConfig], on_change=Non
 async def watch(pool, b, health_cfg: Callable[[], HealthConfig], on_change=None) -> None:
     """Probe one backend on its engine's cadence until cancelled."""
     next_deep = 0.0
-    while True:
-        cfg = health_cfg()
-        now = time.monotonic()
-        # SGLang's /health runs a generation: between deep probes a ready SGLang only gets a liveness check.
-        deep = b.adapter.liveness_path is None or b.health.state != READY or now >= next_deep
-        slow = b.adapter.engine == "sglang" and deep
-        r = await b.adapter.probe(cfg.sglang_timeout_s if slow else cfg.timeout_s, deep=deep)
-        if deep:
-            next_deep = time.monotonic() + (cfg.sglang_interval_s if slow else cfg.interval_s)
-        await apply_probe(pool, b, r, cfg, on_change)
-        await asyncio.sleep(b.health.next_delay(cfg))
+    try:
+        while True:
+            cfg = health_cfg()
+            now = time.monotonic()
+            # SGLang's /health runs a generation: between deep probes a ready SGLang only gets a liveness check.
+            deep = b.adapter.liveness_path is None or b.health.state != READY or now >= next_deep
+            slow = b.adapter.engine == "sglang" and deep
+            r = await b.adapter.probe(cfg.sglang_timeout_s if slow else cfg.timeout_s, deep=deep)
+            if deep:
+                next_deep = time.monotonic() + (cfg.sglang_interval_s if slow else cfg.interval_s)
+            await apply_probe(pool, b, r, cfg, on_change)
+            await asyncio.sleep(b.health.next_delay(cfg))
+    finally:
+        await stop_verifying(b)
 
 
 async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None) -> None:
@@ -197,6 +201,7 @@ async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None
     log.info("backend %s is now %s (%s)", b.id, new, r.detail)
     if new == READY:
         b.breaker.on_success()  # probes say it serves again: give it traffic now, not when the breaker times out
+        start_verifying(b)  # [probe] at_start: which of its models it really serves, off every request's path
     if on_change is not None:
         on_change(b, new)
 

@@ -38,6 +38,10 @@ class BackendState:
         self.next_probe = 0.0
         self._load_stale_s = gcfg.health.load_stale_s
         self.windows: dict[str, int] = {}  # public model -> context window the engine reported
+        # [probe] at_start: public model -> why this engine failed a required check for it (not routed here).
+        self.unsupported: dict[str, str] = {}
+        self.probe_cfg = gcfg.probe
+        self.probe_task = None  # the support probe running since the last promotion to ready
 
     def window(self, model: str) -> int | None:
         """Tokens one request for `model` may hold here: the configured max_context, else what the engine
@@ -125,11 +129,12 @@ class Pool:
         return sorted(self._by_model)
 
     def candidates(self, model: str, klass: str, now: float | None = None) -> list[BackendState]:
-        """Backends that serve the model, are ready, whose breaker admits a request and that take this class."""
+        """Backends that serve the model (and did not fail the support probe for it), are ready, whose breaker
+        admits a request and that take this class."""
         now = time.monotonic() if now is None else now
         out = []
         for b in self._by_model.get(model, ()):
-            if b.usable(now) and (b.classes is None or klass in b.classes):
+            if b.usable(now) and (b.classes is None or klass in b.classes) and model not in b.unsupported:
                 out.append(b)
         return out
 

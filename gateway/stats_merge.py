@@ -47,7 +47,7 @@ def take_summary(g, now_m: float | None = None, now_wall: float | None = None) -
             "fit": {f: getattr(est, f) for f in FIT_FIELDS},
             "failovers": tallied.get(("failovers", b.id), 0),
             "breaker_openings": tallied.get(("breaker_openings", b.id), 0),
-            "span_s": s["span_s"], "classes": s["classes"]}
+            "unsupported": dict(b.unsupported), "span_s": s["span_s"], "classes": s["classes"]}
     rejected: dict[str, int] = {}
     reasons: dict[str, dict[str, int]] = {}
     for key, n in tallied.items():
@@ -94,6 +94,7 @@ def _read_backend(b: dict, taken_at: float) -> dict:
     return {"engine": str(b["engine"]), "health": str(b["health"]), "breaker": str(b["breaker"]),
             "in_flight": int(b["in_flight"]), "failovers": int(b["failovers"]),
             "breaker_openings": int(b["breaker_openings"]), "load": load,
+            "unsupported": {str(k): str(v) for k, v in (b.get("unsupported") or {}).items()},
             "fit": {f: (int if f == "samples" else float)(b["fit"][f]) for f in FIT_FIELDS},
             "classes": {str(k): _read_class(c, span) for k, c in b["classes"].items()}}
 
@@ -101,12 +102,13 @@ def _read_backend(b: dict, taken_at: float) -> dict:
 def _merge_backend(m: dict | None, b: dict) -> dict:
     if m is None:
         m = {"engine": b["engine"], "views": {"health": {}, "breaker": {}}, "in_flight": 0, "load": None,
-             "fit": None, "failovers": 0, "breaker_openings": 0, "classes": {}}
+             "fit": None, "failovers": 0, "breaker_openings": 0, "unsupported": {}, "classes": {}}
     for view in ("health", "breaker"):
         counts = m["views"][view]
         counts[b[view]] = counts.get(b[view], 0) + 1
     for k in ("in_flight", "failovers", "breaker_openings"):
         m[k] += b[k]
+    m["unsupported"].update(b["unsupported"])  # a model any process found unsupported there, with the reason
     load = b["load"]
     if load is not None and (m["load"] is None or load["taken_at"] > m["load"]["taken_at"]):
         m["load"] = load
@@ -206,6 +208,7 @@ def _backend_row(bid: str, m: dict, now_wall: float) -> dict:
                  "age_s": round(now_wall - load["taken_at"], 3) if load else None},
         **rep,
         "failovers": m["failovers"], "breaker_openings": m["breaker_openings"],
+        "unsupported": m["unsupported"],  # [probe] at_start: models not routed here, and why
         "views": m["views"],  # how many processes see the backend in each state
         "model": {"ttft_t0_ms": round(est.ttft_t0 * 1000, 3), "prefill_tps": round(est.prefill_rate, 1),
                   "itl_a_ms": round(est.itl_a * 1000, 3), "itl_b_ms": round(est.itl_b * 1000, 4),

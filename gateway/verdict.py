@@ -242,5 +242,6 @@ def describe(c: dict) -> str:
                 f"(95 % CI {_pct(near)}-{_pct(far)} %) than {loser} on {klass}")
     if c["verdict"] == "no_difference":
         return f"{name} on {klass}: not distinguishable (noise floor {_pct(c['noise_floor'] * 100)} %)"
-    more = f" (about {c['needed']} more requests per arm)" if c.get("needed") else ""
+    n = c.get("needed")
+    more = f" (about {n} more request{'s' if n != 1 else ''} per arm)" if n else ""
     return f"{name} on {klass}: not enough data yet{more}"

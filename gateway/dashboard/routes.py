@@ -116,7 +116,7 @@ def _load_assets(folder: Path) -> Mapping[str, tuple[bytes, str]]:
         for path in folder.iterdir()
         if path.is_file() and path.suffix in _CONTENT_TYPES
     }
-    for needed in ("index.html", "login.html", "dashboard.js", "dashboard.css"):
+    for needed in ("index.html", "login.html", "dashboard.js", "experiments.js", "dashboard.css"):
         if needed not in assets:
             raise RuntimeError(f"dashboard asset missing: {needed}")
     return MappingProxyType(assets)

@@ -4,7 +4,6 @@ the sign-in page's layout."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections import defaultdict
@@ -21,7 +20,7 @@ from gateway.sim.faults import FaultSpec
 from gateway.sim.runner import SimOptions, SimServer, start_sim
 from tests.fake_engine import FakeEngine, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
-from tests.integration.browser import FormLogin, chromium_available, open_page, screenshot_and_read
+from tests.integration.browser import FormLogin, open_page, screenshot_and_read
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SCREENSHOT = RESULTS / "dashboard.png"
@@ -35,16 +34,6 @@ SHAPES = {
     "long_output": ("write a long story", 640, False),
     "default": ("hello there", 96, False),
 }
-
-
-@pytest.fixture
-def chromium() -> None:
-    """Skip on a workstation without Chromium; in CI its absence is a broken setup, so fail."""
-    if chromium_available():
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("CI is set but /usr/bin/chromium is missing: apt-get install -y chromium")
-    pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
 
 
 @dataclass

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import re
+import sys
 
 import openai
 
@@ -38,6 +39,48 @@ async def test_demo_serves_the_printed_snippet():
             r2 = await c.chat.completions.with_raw_response.create(
                 model=SECOND_MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}])
             assert r2.headers["x-shapegate-backend"] == "vllm-0"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
+    """README, "A/B testing engines": `shapegate demo --ab`, traffic with x-end-user, then `shapegate ab`."""
+    port = free_port()
+    ready, stop = asyncio.Event(), asyncio.Event()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        task = asyncio.create_task(run_demo("127.0.0.1", port, ready=ready, stop=stop, ab=True))
+        await asyncio.wait_for(ready.wait(), 10)
+    try:
+        text = out.getvalue()
+        key = re.search(r"API key : (\S+)", text).group(1)
+        url = f"http://127.0.0.1:{port}"
+        assert f"shapegate ab --url {url} --key {key}" in text
+        arms = {}
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=3) as c:
+            for i in range(60):
+                for _ in range(50):  # the engines become ready within a few probe intervals
+                    try:
+                        raw = await c.chat.completions.with_raw_response.create(
+                            model=MODEL, max_tokens=8, stream=True, extra_headers={"x-end-user": f"user-{i}"},
+                            messages=[{"role": "user", "content": "Hi"}])
+                        break
+                    except openai.InternalServerError:
+                        await asyncio.sleep(0.2)
+                async for _ in raw.parse():
+                    pass
+                arms[f"user-{i}"] = raw.headers["x-shapegate-arm"]
+        assert set(arms.values()) == {"vllm", "sglang"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "ab", "--url", url, "--key", key,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        table = stdout.decode()
+        assert proc.returncode == 0, stderr.decode()
+        print(table)
+        assert "vllm-vs-sglang" in table and "sglang" in table and "TTFT" in table
+        assert key not in table
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

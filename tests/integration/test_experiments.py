@@ -148,6 +148,16 @@ async def test_a_ramp_reaches_another_replica_through_redis_within_a_second(engi
         while not await all_b():
             assert time.monotonic() - t0 < 1.0, "the other replica did not adopt the change within 1 s"
             await asyncio.sleep(0.05)
+        # Each replica's verdicts count every replica's requests (samples are exchanged every few seconds).
+        served = sum(len(e.knobs.seen) for e in engines)
+        t0 = time.monotonic()
+        while True:
+            x = (await get_report(gws[0]))["data"][0]
+            if sum(a["classes"].get("all", {}).get("requests", 0) for a in x["arms"]) == served:
+                break
+            assert time.monotonic() - t0 < 10.0, "replica 0 never saw replica 1's samples"
+            await asyncio.sleep(0.2)
+        assert x["processes"] == 2
     finally:
         for g in gws:
             await g.stop()

@@ -391,6 +391,9 @@
     setTimeout(poll, Math.max(0, POLL_MS - (performance.now() - started)));
   }
 
+  // The experiments section (experiments.js, loaded after this file) builds its DOM with the same helpers.
+  window.shapegateDashboard = Object.freeze({ el, fmt, fmtPct, clock, num, badge });
+
   buildCharts();
   // Charts and the age counter keep moving while a fetch hangs, so staleness is always visible.
   setInterval(renderStatus, POLL_MS);

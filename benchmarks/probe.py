@@ -1,0 +1,154 @@
+"""The support probe's matrix for a simulator portfolio and for the real llama-server and vLLM of tests/e2e.
+
+Starts the three simulator flavours (tiny profiles) in this process, then the real engines the e2e suite
+uses (built and cached under ~/.cache/shapegate on first use, which takes minutes), probes each set the way
+`shapegate probe` does, and writes benchmarks/results/probe.md: the machine, the load before and after,
+the engines' versions, and each matrix with its reasons.
+
+Usage: python benchmarks/probe.py [--timeout S] [--no-real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
+
+from gateway.config import GatewayConfig, parse_config  # noqa: E402
+from gateway.probe import probe_all, render  # noqa: E402
+from gateway.runtime import build_policy  # noqa: E402
+from gateway.sim.runner import SimOptions, start_sim  # noqa: E402
+from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, start_llama_server, start_vllm_server  # noqa: E402
+
+RESULT = Path(__file__).parent / "results" / "probe.md"
+REQUIRE = ["chat", "stream"]
+
+
+def config(backends: list[dict[str, Any]]) -> GatewayConfig:
+    return parse_config({"auth": {"enabled": False}, "probe": {"require": REQUIRE}, "backends": backends},
+                        build_policy)
+
+
+async def version(url: str, path: str, pick: Callable[[Any], Any]) -> str:
+    """What an engine says its version is on its own route, or "unknown"."""
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                found = pick(orjson.loads(await r.read())) if r.status == 200 else None
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
+        return "unknown"
+    return str(found) if found else "unknown"
+
+
+# Each engine's own way of naming its build: vLLM's /version, SGLang's /v1/loads, llama.cpp's /props.
+VERSION_ROUTES = {"vllm": ("/version", lambda d: d["version"]), "sglang": ("/v1/loads", lambda d: d["version"]),
+                  "llamacpp": ("/props", lambda d: d["build_info"])}
+
+
+async def probed(title: str, cfg: GatewayConfig, urls: dict[str, str], timeout: float) -> list[str]:
+    """One section: versions, how long the probe took, the matrix."""
+    versions = [f"{engine} {await version(url, *VERSION_ROUTES[engine])}" for engine, url in urls.items()]
+    started = time.monotonic()
+    rows = await probe_all(cfg, timeout)
+    took = time.monotonic() - started
+    return [f"## {title}", "", f"Engines: {', '.join(versions)}. Probe took {took:.1f} s "
+            f"(backends at once, checks one at a time; timeout {timeout:g} s a request).", "",
+            "```", *render(rows, cfg.probe.require), "```", ""]
+
+
+async def simulators(timeout: float) -> list[str]:
+    sims = {e: await start_sim(SimOptions(engine=e)) for e in ("vllm", "sglang", "llamacpp")}
+    try:
+        cfg = config([{"id": f"sim-{e}", "engine": e, "url": s.url, "models": {"sim-model": s.model}}
+                      for e, s in sims.items()])
+        return await probed("Simulator portfolio (`python -m gateway.sim`, tiny profiles)", cfg,
+                            {e: s.url for e, s in sims.items()}, timeout)
+    finally:
+        for s in sims.values():
+            await s.close()
+
+
+async def started(start: Callable[[], Awaitable[Any]]) -> tuple[Any, str]:
+    try:
+        return await start(), ""
+    except (RuntimeError, OSError, ImportError) as e:  # not buildable here: no cmake, no registry, no memory
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+async def real_engines(timeout: float) -> list[str]:
+    title = "Real engines (tests/e2e: llama-server -c 4096 --parallel 2, vLLM CPU --max-model-len 4096)"
+    llama, why_llama = await started(start_llama_server)
+    vllm, why_vllm = await started(lambda: start_vllm_server(max_num_seqs=2))
+    try:
+        backends, urls, missing = [], {}, []
+        for handle, engine, native, why in ((llama, "llamacpp", LLAMA_ALIAS, why_llama),
+                                            (vllm, "vllm", VLLM_NAME, why_vllm)):
+            if handle is None:
+                missing.append(f"{engine} did not start: {why}")
+                continue
+            backends.append({"id": f"real-{engine}", "engine": engine, "url": handle.url,
+                             "models": {"shapegate-tiny": native}})
+            urls[engine] = handle.url
+        if not backends:
+            return [f"## {title}", "", *missing, ""]
+        return [*await probed(title, config(backends), urls, timeout), *missing]
+    finally:
+        for handle in (llama, vllm):
+            if handle is not None:
+                await handle.close()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+async def main_async(args: argparse.Namespace) -> str:
+    load_before = os.getloadavg()
+    sections = await simulators(args.timeout)
+    if args.real:
+        sections += await real_engines(args.timeout)
+    load_after = os.getloadavg()
+    load = "load average {:.2f} {:.2f} {:.2f}"
+    head = [
+        "# Support probe: what each engine serves", "",
+        f"Commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}; {load.format(*load_before)} before, "
+        f"{load.format(*load_after)} after.", "",
+        f"Command: `python3 {' '.join(sys.argv)}`. Required checks: {', '.join(REQUIRE)}.", "",
+        "Cells: `yes`; `no` (the engine answered, and not with the feature); `error` (no answer, a timeout, a "
+        "5xx, a reply that is not HTTP or JSON); the context column is the window verified (a prompt near its "
+        "top served, one past it refused as too long). The real engines serve a tiny model with random "
+        "weights: a `no` for tools or json_schema there may be the model's, not the engine's (its reason says "
+        "when a reply was cut at max_tokens).", "",
+    ]
+    return "\n".join(head + sections)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per engine request (default 60)")
+    parser.add_argument("--no-real", dest="real", action="store_false", help="the simulators only")
+    args = parser.parse_args()
+    text = asyncio.run(main_async(args))
+    RESULT.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

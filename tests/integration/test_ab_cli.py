@@ -1,0 +1,122 @@
+"""`shapegate ab` as a process against a real gateway: the experiments table, --json, and one-line refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+
+from tests.fake_engine import FakeEngine, Knobs, free_port
+from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
+from tests.procs import ROOT
+
+# `shapegate ab`, as an installed console script runs it.
+COMMAND = ("-m", "gateway.cli", "ab")
+REQUESTS = 80  # u0..u79 split 41/39: both arms past the 30 samples a verdict needs
+
+
+async def ab(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run the command without blocking this loop's gateway; (exit status, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *COMMAND, *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def gw() -> AsyncIterator[RunningGateway]:
+    # e0 streams five times faster than e1: arm a wins on ITL beyond doubt, even on a busy machine.
+    engines = [await FakeEngine(Knobs(chunk_delay=d)).start() for d in (0.004, 0.02)]
+    backends = [{"id": f"e{i}", "engine": "vllm", "url": e.url, "models": ["m"]} for i, e in enumerate(engines)]
+    gateway = await start_gateway(gateway_config(backends) | {"experiments": [
+        {"name": "ab", "model": "m", "mode": "split", "subject": "user",
+         "arms": [{"name": "a", "backends": ["e0"]}, {"name": "b", "backends": ["e1"]}]}]})
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
+        for e in engines:
+            await e.stop()
+
+
+async def traffic(gw: RunningGateway) -> None:
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=USER_KEY, max_retries=0) as client:
+        async def one(i: int) -> None:
+            stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=16, stream=True, user=f"u{i}")
+            async for _ in stream:
+                pass
+
+        for start in range(0, REQUESTS, 10):
+            await asyncio.gather(*(one(i) for i in range(start, start + 10)))
+
+
+async def admin_report(gw: RunningGateway) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/admin/experiments", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+            assert r.status == 200
+            return await r.json()
+
+
+async def test_the_table_shows_the_experiment_its_arms_and_verdicts(gw) -> None:
+    await traffic(gw)
+    (x,) = (await admin_report(gw))["data"]
+    status, out, err = await ab("--url", gw.url + "/", "--key", ADMIN_KEY)
+    assert (status, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "experiment ab: model m, split, subject user, running (version 0)"
+    assert lines[1].split() == ["arm", "share", "requests", "errors", "backends"]
+    for arm, line in zip(x["arms"], lines[2:4]):
+        assert line.split() == [arm["name"], "50%", str(arm["classes"]["all"]["requests"]), "0", arm["backends"][0]]
+    # One row per comparison, in the gateway's order, ending with its plain-language sentence.
+    classes = {c["class"] for c in x["comparisons"]}
+    rows = [line for line in lines if line.split()[:1] and line.split()[0] in classes]
+    assert len(rows) == len(x["comparisons"]) > 0
+    for c, row in zip(x["comparisons"], rows):
+        assert row.endswith(c["summary"]) and f"a={c['n']['a']} b={c['n']['b']}" in row
+    itl = next(row for row in rows if row.split()[:2] == ["all", "ITL"])
+    assert " a better " in itl and "arm a: ITL" in itl
+    assert lines[-1].startswith("  ratio: the second arm's mean over the first's")
+
+    # --json: the gateway's own report; the key may come from the environment rather than the command line.
+    status, out, err = await ab("--url", gw.url, "--experiment", "ab", "--json", env={"SHAPEGATE_ADMIN_KEY": ADMIN_KEY})
+    assert (status, err) == (0, "")
+    assert json.loads(out)["data"] == [x]
+
+    status, out, err = await ab("--url", gw.url, "--key", ADMIN_KEY, "--experiment", "nope")
+    assert (status, out) == (2, "")
+    assert err == f"shapegate: no experiment named 'nope' on {gw.url} (experiments: ab)\n"
+
+
+async def test_refusals_are_one_line_exit_2_and_never_show_the_key(gw) -> None:
+    wrong = "sk-not-a-key-of-this-gateway"
+    cases = {
+        wrong: f"shapegate: {gw.url} refused the key (HTTP 401): Invalid or missing API key.\n",
+        USER_KEY: f"shapegate: {gw.url} refused the key (HTTP 403): This route needs an admin API key.\n",
+    }
+    for key, expected in cases.items():
+        status, out, err = await ab("--url", gw.url, "--key", key)
+        assert (status, out, err) == (2, "", expected)
+        assert key not in err
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    refused = f"shapegate: cannot connect to {dead}: Connection refused\n"
+    assert await ab("--url", dead, "--key", ADMIN_KEY) == (2, "", refused)
+    # Accepted by the kernel, never answered: the timeout, not a hang.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        assert await ab("--url", url, "--key", ADMIN_KEY, "--timeout", "0.5") == (
+            2, "", f"shapegate: no answer from {url} within 0.5 s\n")
+    status, out, err = await ab("--url", gw.url, env={"SHAPEGATE_ADMIN_KEY": ""})
+    assert (status, out) == (2, "") and err.startswith("shapegate: an admin key is needed")

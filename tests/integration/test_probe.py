@@ -1,0 +1,256 @@
+"""`shapegate probe` against simulators, dead and hostile engines; `[probe] at_start` keeping a model off a backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.config import PROBE_CHECKS as CHECKS
+from gateway.sim.runner import SimOptions, start_sim
+from tests.fake_engine import free_port
+from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+from tests.procs import ROOT, to_toml
+from tests.raw_engine import MiB, RawEngine, bad_chunk, head
+
+OPEN = {"auth": {"enabled": False}}
+# What the simulator does with each check (its real behaviour: it serves n=1 only, and ignores tools,
+# response_format and logprobs); its tiny profiles hold 4,096 tokens, llama.cpp's 2,048 per slot.
+SIM_VERDICTS = {"answers": "yes", "chat": "yes", "completions": "yes", "stream": "yes", "stream_usage": "yes",
+                "n": "no", "tools": "no", "json_schema": "no", "logprobs": "no", "context": "yes"}
+SIM_WINDOWS = {"vllm": 4096, "sglang": 4096, "llamacpp": 2048}
+
+
+async def shapegate(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, str, str]:
+    """`python -m gateway.cli ARGS` as a process, this loop's engines serving meanwhile: (status, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def write(tmp_path: Path, cfg: dict) -> Path:
+    path = tmp_path / "gw.toml"
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def verdicts(row: dict) -> dict[str, str]:
+    return {name: cell["verdict"] for name, cell in row["checks"].items()}
+
+
+@pytest.fixture
+async def sims():
+    started = {e: await start_sim(SimOptions(engine=e)) for e in ("vllm", "sglang", "llamacpp")}
+    yield started
+    for s in started.values():
+        await s.close()
+
+
+def sim_backends(sims) -> list[dict]:
+    # llama.cpp serves any name (with its own alias): it is listed under one the engine never heard of.
+    return [{"id": "sim-v", "engine": "vllm", "url": sims["vllm"].url, "models": {"m": "sim-model", "ghost": "ghost"}},
+            {"id": "sim-s", "engine": "sglang", "url": sims["sglang"].url, "models": {"m": "sim-model"}},
+            {"id": "sim-l", "engine": "llamacpp", "url": sims["llamacpp"].url, "models": {"m": "any-name"}}]
+
+
+async def test_json_matrix_of_a_simulator_portfolio(sims, tmp_path):
+    path = write(tmp_path, {**OPEN, "backends": sim_backends(sims)})
+    status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "10")
+    assert status == 1 and "Traceback" not in err, err  # "ghost" fails the required chat check
+    report = orjson.loads(out)
+    assert report["checks"] == list(CHECKS) and report["require"] == ["chat"] and report["passed"] is False
+    assert report["timeout_s"] == 10
+    rows = report["rows"]
+    # Rows by model, then in the file's order.
+    assert [(r["model"], r["native"], r["backend"], r["engine"]) for r in rows] == [
+        ("m", "sim-model", "sim-v", "vllm"), ("m", "sim-model", "sim-s", "sglang"),
+        ("m", "any-name", "sim-l", "llamacpp"), ("ghost", "ghost", "sim-v", "vllm")]
+    for row in rows[:3]:
+        assert verdicts(row) == SIM_VERDICTS, row
+        checks = row["checks"]
+        assert set(checks["chat"]) == {"verdict", "reason"} and checks["chat"]["reason"] == ""
+        assert checks["n"]["reason"] == "HTTP 400: the simulator serves n=1 only"
+        assert checks["tools"]["reason"] == "no tool_calls in reply"
+        assert checks["json_schema"]["reason"].startswith("content is not JSON: ")
+        assert checks["logprobs"]["reason"] == "no logprobs content in the reply"
+        assert checks["context"]["window"] == SIM_WINDOWS[row["engine"]]
+        assert "refused as too long" in checks["context"]["reason"]
+    ghost = rows[3]["checks"]
+    assert ghost.pop("answers") == {"verdict": "yes", "reason": ""}  # the engine answers; it lacks the model
+    assert {c["verdict"] for c in ghost.values()} == {"no"}
+    assert ghost["chat"]["reason"] == "HTTP 404: The model `ghost` does not exist."
+
+
+async def test_table_and_exit_status_follow_the_required_checks(sims, tmp_path):
+    backends = sim_backends(sims)
+    backends[0]["models"] = {"m": "sim-model"}
+    cfg = {**OPEN, "probe": {"require": ["chat", "stream", "stream_usage", "context"]}, "backends": backends}
+    status, out, err = await shapegate("probe", "--config", str(write(tmp_path, cfg)))
+    assert status == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].split() == ["model", "backend", "engine", *CHECKS]
+    assert lines[1].split() == ["m", "(sim-model)", "sim-v", "vllm", "yes", "yes", "yes", "yes", "yes", "no",
+                                "no", "no", "no", "4096"]
+    assert lines[3].split()[-1] == "2048"
+    assert "  m @ sim-v: n: no (HTTP 400: the simulator serves n=1 only)" in lines
+    assert lines[-1] == "required (chat, stream, stream_usage, context): passed on all 3 model-backend pairs"
+
+    cfg["probe"] = {"require": ["chat", "n"]}
+    status, out, _ = await shapegate("probe", "--config", str(write(tmp_path, cfg)))
+    assert status == 1 and out.splitlines()[-1] == "required (chat, n): failed on 3 of 3 model-backend pairs"
+
+
+async def test_config_errors_exit_2(tmp_path):
+    backend = {"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}
+    path = write(tmp_path, {**OPEN, "probe": {"require": ["chat", "telepathy"]}, "backends": [backend]})
+    assert await shapegate("probe", "--config", str(path)) == (
+        2, "", "shapegate: invalid configuration:\n  probe.require: unknown check 'telepathy'; expected some of "
+               f"{', '.join(CHECKS)}\n")
+    path = write(tmp_path, {**OPEN, "probe": {"timeout_s": 0}, "backends": [backend]})
+    status, out, err = await shapegate("probe", "--config", str(path))
+    assert (status, out) == (2, "") and "probe.timeout_s" in err
+    status, _, err = await shapegate("probe", "--config", str(tmp_path / "missing.toml"))
+    assert status == 2 and "configuration file not found" in err
+
+
+async def test_a_dead_backend_is_errors_and_exit_1_at_once(tmp_path):
+    dead = free_port()
+    path = write(tmp_path, {**OPEN, "backends": [
+        {"id": "down", "engine": "sglang", "url": f"http://127.0.0.1:{dead}", "models": ["m"]}]})
+    started = time.monotonic()
+    status, out, err = await shapegate("probe", "--config", str(path), "--json")
+    assert status == 1 and time.monotonic() - started < 10, err
+    (row,) = orjson.loads(out)["rows"]
+    assert set(verdicts(row).values()) == {"error"}
+    assert row["checks"]["answers"]["reason"].startswith("connect failed: ")
+    assert row["checks"]["context"]["reason"] == "not tried: the engine did not answer"
+
+
+# -- hostile engines --------------------------------------------------------------------------------------
+async def flood(w: asyncio.StreamWriter, stream: bool, engine: RawEngine) -> None:
+    """A 200 announcing 1 GiB, sent in 64 KiB pieces until the probe lets go (64 MiB at most)."""
+    w.write(head(stream, b"Content-Length: %d" % (1 << 30)))
+    for _ in range(1024):
+        w.write(b"x" * (64 << 10))
+        await w.drain()  # raises once the probe has closed its end
+
+
+async def hang(w: asyncio.StreamWriter, stream: bool, engine: RawEngine) -> None:
+    await asyncio.sleep(3600)
+
+
+def not_json(stream: bool) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 9\r\n\r\nnot json!"
+
+
+SECRET = "sk-probe-secret-0123456789"
+
+
+def rude(stream: bool) -> bytes:
+    """A refusal whose message carries terminal escapes and quotes the key it was sent."""
+    body = orjson.dumps({"error": {"message": f"\x1b[31mno\x07 entry for key {SECRET}\r\nX-Injected: 1"}})
+    return b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body), body)
+
+
+async def test_hostile_engines_give_errors_within_the_timeout(tmp_path):
+    replies = {"garbage": bad_chunk(b"zz"), "flood": flood, "hang": hang, "not-json": not_json, "rude": rude}
+    engines = {}
+    for name, reply in replies.items():
+        engines[name] = await RawEngine().start()
+        engines[name].set(reply)
+    backends = [{"id": name, "engine": "openai", "url": e.url, "models": ["m"]} for name, e in engines.items()]
+    backends[-1]["api_key_env"] = "PROBE_TEST_KEY"
+    path = write(tmp_path, {**OPEN, "backends": backends})
+    try:
+        started = time.monotonic()
+        status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "1",
+                                           env={"PROBE_TEST_KEY": SECRET})
+        took = time.monotonic() - started
+        _, table, _ = await shapegate("probe", "--config", str(path), "--timeout", "1",
+                                      env={"PROBE_TEST_KEY": SECRET})
+    finally:
+        for e in engines.values():
+            await e.stop()
+    assert status == 1 and "Traceback" not in err, err
+    # The hung engine holds one check for the timeout, the rest are not tried; Python's start-up is the rest.
+    assert took < 8, took
+    rows = {r["backend"]: r["checks"] for r in orjson.loads(out)["rows"]}
+    for name, checks in rows.items():
+        assert checks["answers"]["verdict"] == "yes"  # every GET gets an empty 200
+        assert checks["context"]["verdict"] in ("unknown", "error"), (name, checks["context"])
+    garbage = rows["garbage"]
+    assert {garbage[c]["verdict"] for c in CHECKS[1:-1]} == {"error"}
+    assert garbage["chat"]["reason"].startswith("malformed reply from the engine")
+    assert {rows["flood"][c]["verdict"] for c in CHECKS[1:-1]} == {"error"}
+    assert rows["flood"]["chat"]["reason"] == f"the reply is larger than {MiB} bytes"
+    assert rows["flood"]["stream"]["reason"] == f"a stream of more than {MiB} bytes"
+    hung = rows["hang"]
+    assert hung["chat"] == {"verdict": "error", "reason": "no whole reply within 1 s"}
+    assert {hung[c]["reason"] for c in CHECKS[2:]} == {"not tried: the engine timed out on chat"}
+    assert rows["not-json"]["chat"] == {"verdict": "error", "reason": "the reply is not JSON"}
+    assert rows["not-json"]["stream"]["verdict"] == "no"  # a JSON reply to a streamed request
+    assert rows["rude"]["chat"] == {"verdict": "no",
+                                    "reason": "HTTP 400: ?[31mno? entry for key <key> X-Injected: 1"}
+    assert SECRET not in out + table and "\x1b" not in table and "\x07" not in table
+    assert "  m @ rude: chat, completions, stream, stream_usage, n, tools, json_schema, logprobs: no (HTTP 400: " \
+           "?[31mno? entry for key <key> X-Injected: 1)" in table.splitlines()
+
+
+# -- [probe] at_start --------------------------------------------------------------------------------------
+async def served_by(url: str, model: str, times: int) -> list[tuple[int, str]]:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {USER_KEY}"}) as http:
+        out = []
+        for _ in range(times):
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                out.append((r.status, r.headers.get("x-shapegate-backend", "")))
+        return out
+
+
+async def until(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("at_start", [True, False])
+async def test_at_start_stops_routing_a_model_where_it_fails_a_required_check(sims, at_start):
+    cfg = gateway_config([
+        {"id": "vllm", "engine": "vllm", "url": sims["vllm"].url, "models": {"m": "sim-model", "ghost": "ghost"}},
+        {"id": "llama", "engine": "llamacpp", "url": sims["llamacpp"].url, "models": {"ghost": "any-name"}},
+    ], routing={"policy": "round_robin"}, probe={"at_start": at_start, "require": ["chat", "stream"]})
+    gw = await start_gateway(cfg)
+    try:
+        pool = gw.state.pool
+        vllm, llama = pool.get("vllm"), pool.get("llama")
+        await until(lambda: vllm.usable(time.monotonic()) and llama.usable(time.monotonic()), 10)
+        if not at_start:  # off by default: nothing is probed, every backend of a model is a candidate
+            await asyncio.sleep(0.3)
+            assert vllm.unsupported == {} and vllm.probe_task is None
+            assert {b.id for b in pool.candidates("ghost", "default")} == {"vllm", "llama"}
+            return
+        await until(lambda: "ghost" in vllm.unsupported, 10)
+        await until(lambda: vllm.probe_task.done() and llama.probe_task.done(), 10)
+        assert vllm.unsupported == {"ghost": "probe: chat: no (HTTP 404: The model `ghost` does not exist.)"}
+        assert llama.unsupported == {}  # llama.cpp serves any name
+        assert [b.id for b in pool.candidates("ghost", "default")] == ["llama"]
+        assert await served_by(gw.url, "ghost", 4) == [(200, "llama")] * 4
+        assert {backend for _, backend in await served_by(gw.url, "m", 2)} == {"vllm"}
+        async with aiohttp.ClientSession() as http:  # the reason is in /stats for the operator
+            async with http.get(gw.url + "/stats", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+                rows = {b["id"]: b for b in (await r.json())["backends"]}
+        assert rows["vllm"]["unsupported"] == vllm.unsupported and rows["llama"]["unsupported"] == {}
+    finally:
+        await gw.stop()
