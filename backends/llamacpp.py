@@ -6,7 +6,7 @@ import time
 
 import orjson
 
-from backends.openai_http import OpenAIHTTPBackend, count, parse_gauges
+from backends.openai_http import OpenAIHTTPBackend, count, load_from_gauges, parse_gauges
 from gateway.contracts import LoadSample
 
 
@@ -19,6 +19,9 @@ class LlamaCppBackend(OpenAIHTTPBackend):
         "running": ("llamacpp:requests_processing",),
         "waiting": ("llamacpp:requests_deferred",),
         "kv_usage": ("llamacpp:kv_cache_usage_ratio",),
+        # Prompt and generation throughput since the previous scrape: the engine's own prefill rate and ITL.
+        "prompt_tps": ("llamacpp:prompt_tokens_seconds",),
+        "predicted_tps": ("llamacpp:predicted_tokens_seconds",),
     }
     needs_max_tokens = True
     done_after_error = False
@@ -43,5 +46,4 @@ class LlamaCppBackend(OpenAIHTTPBackend):
         running = g.get("running", None if total is None or idle is None else float(total - idle))
         if total is None and not g:
             return None
-        return LoadSample(running=running, waiting=g.get("waiting"), kv_usage=g.get("kv_usage"),
-                          idle_slots=idle, total_slots=total, at=time.monotonic())
+        return load_from_gauges(g, time.monotonic(), running=running, idle_slots=idle, total_slots=total)

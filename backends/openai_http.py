@@ -50,6 +50,17 @@ def _sum_samples(text: str, name: str) -> float | None:
     return total
 
 
+# The engine's own latency figures a sample may carry (gateway.contracts.LoadSample), besides its load.
+LATENCY_FIELDS = ("ttft_sum", "ttft_count", "itl_sum", "itl_count", "prompt_tps", "predicted_tps")
+
+
+def load_from_gauges(g: Mapping[str, float], now: float, **slots: int | float | None) -> LoadSample:
+    """A load sample from parsed gauges: load figures, the engine's latency figures when it reports them."""
+    return LoadSample(running=slots.pop("running", g.get("running")), waiting=g.get("waiting"),
+                      kv_usage=g.get("kv_usage"), at=now, **slots,
+                      **{f: g[f] for f in LATENCY_FIELDS if f in g and g[f] >= 0})
+
+
 def printable(text: str, limit: int = 200) -> str:
     """Text an engine chose, safe for a log line or a terminal: control characters replaced, length capped."""
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
@@ -182,9 +193,7 @@ class OpenAIHTTPBackend:
         status, body = await self._get(self.metrics_path, timeout)
         if status != 200:
             return None
-        g = parse_gauges(body.decode("utf-8", "replace"), self.metric_names)
-        return LoadSample(running=g.get("running"), waiting=g.get("waiting"), kv_usage=g.get("kv_usage"),
-                          at=time.monotonic())
+        return load_from_gauges(parse_gauges(body.decode("utf-8", "replace"), self.metric_names), time.monotonic())
 
     async def warm_up(self, model: str, timeout: float) -> bool:
         """One tiny generation so the engine's first slow request is not a client's."""

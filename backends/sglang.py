@@ -6,7 +6,7 @@ import time
 
 import orjson
 
-from backends.openai_http import OpenAIHTTPBackend, parse_gauges
+from backends.openai_http import OpenAIHTTPBackend, load_from_gauges, parse_gauges
 from gateway.contracts import LoadSample
 
 
@@ -21,6 +21,11 @@ class SGLangBackend(OpenAIHTTPBackend):
         "running": ("sglang:num_running_reqs",),
         "waiting": ("sglang:num_queue_reqs",),
         "kv_usage": ("sglang:token_usage",),
+        # The engine's own TTFT and per-token inter-token histograms (older builds: time_per_output_token).
+        "ttft_sum": ("sglang:time_to_first_token_seconds_sum",),
+        "ttft_count": ("sglang:time_to_first_token_seconds_count",),
+        "itl_sum": ("sglang:inter_token_latency_seconds_sum", "sglang:time_per_output_token_seconds_sum"),
+        "itl_count": ("sglang:inter_token_latency_seconds_count", "sglang:time_per_output_token_seconds_count"),
     }
 
     def __init__(self, **kw) -> None:
@@ -32,9 +37,8 @@ class SGLangBackend(OpenAIHTTPBackend):
         if not self._metrics_off:
             status, body = await self._get(self.metrics_path, timeout)
             if status == 200:
-                g = parse_gauges(body.decode("utf-8", "replace"), self.metric_names)
-                return LoadSample(running=g.get("running"), waiting=g.get("waiting"), kv_usage=g.get("kv_usage"),
-                                  at=time.monotonic())
+                return load_from_gauges(parse_gauges(body.decode("utf-8", "replace"), self.metric_names),
+                                        time.monotonic())
             if status not in (404, 501):
                 return None  # a passing error: try /metrics again next time
             self._metrics_off = True

@@ -31,7 +31,7 @@ import uvloop
 
 from benchmarks import ab_report
 from benchmarks import routing_workload as W
-from benchmarks.routing import free_port, serve_gateway, stream_request
+from benchmarks.routing import free_port, serve_gateway, serve_sims, stream_request, wait_ready
 
 RESULTS = Path(__file__).parent / "results"
 ADMIN_KEY = "sk-ab-benchmark-admin"
@@ -39,22 +39,6 @@ ENGINES = (("vllm", "vllm", "mi350x-vllm"), ("sglang", "sglang", "mi350x-sglang"
 # name, prompt tokens, output tokens, arrivals per second
 KINDS = (("generation", 110, 600, 0.5), ("summarization", 1500, 60, 0.7), ("chat", 200, 120, 1.0))
 USERS = 400
-
-
-def serve_sims(ports: list[int]) -> None:
-    uvloop.run(_sims(ports))
-
-
-async def _sims(ports: list[int]) -> None:
-    from gateway.sim.runner import SimOptions, start_sim
-
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    servers = [await start_sim(SimOptions(engine=engine, profile=profile, model=W.MODEL, port=port))
-               for (_, engine, profile), port in zip(ENGINES, ports)]
-    await stop.wait()
-    for s in servers:
-        await s.close()
 
 
 def config(mode: str, ports: list[int]) -> dict:
@@ -73,20 +57,6 @@ def config(mode: str, ports: list[int]) -> dict:
             "server": {"access_log": False, "shutdown_grace_s": 1.0},
             "health": {"interval_s": 0.5, "load_interval_s": 0.5},
             "upstream": {"first_byte_timeout_s": 120.0}, "backends": backends, "experiments": [experiment]}
-
-
-async def wait_ready(http: aiohttp.ClientSession, url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with http.get(url + "/readyz") as r:
-                data = await r.json()
-                if r.status == 200 and all(s == "ready" for s in data["backends"].values()):
-                    return
-        except (aiohttp.ClientError, ValueError, KeyError):
-            pass  # not up yet
-        await asyncio.sleep(0.2)
-    raise TimeoutError("the gateway did not become ready")
 
 
 def arrivals(window_s: float, seed: int) -> list[tuple[float, str, dict, dict]]:
@@ -109,7 +79,7 @@ async def drive(url: str, sim_urls: list[str], window_s: float, seed: int) -> tu
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        await wait_ready(http, url)
+        await wait_ready(http, url, "the gateway")
         t0 = time.monotonic()
 
         async def one(at: float, kind: str, body: dict, user: dict) -> None:
@@ -136,7 +106,7 @@ async def drive(url: str, sim_urls: list[str], window_s: float, seed: int) -> tu
 def one_run(ctx, mode: str, window_s: float, seed: int) -> dict:
     ports = [free_port() for _ in ENGINES]
     gw_port = free_port()
-    sims = ctx.Process(target=serve_sims, args=(ports,), daemon=True)
+    sims = ctx.Process(target=serve_sims, args=(ports, [(e, p) for _, e, p in ENGINES]), daemon=True)
     gw = ctx.Process(target=serve_gateway, args=(config(mode, ports), gw_port), daemon=True)
     sims.start()
     gw.start()

@@ -54,11 +54,12 @@ def free_port() -> int:
 
 
 # -- the processes of one stack ------------------------------------------------------------------------
-def serve_sims(ports: list[int]) -> None:
-    uvloop.run(_sims(ports))
+def serve_sims(ports: list[int], engines: list[tuple[str, str]] | None = None) -> None:
+    """Simulated engines, (engine, profile) each (default: the portfolio), on `ports` until SIGTERM."""
+    uvloop.run(_sims(ports, engines or [(engine, profile) for _, engine, profile, _ in PORTFOLIO]))
 
 
-async def _sims(ports: list[int]) -> None:
+async def _sims(ports: list[int], engines: list[tuple[str, str]]) -> None:
     from gateway.sim.runner import SimOptions, start_sim
 
     stop = asyncio.Event()
@@ -66,7 +67,7 @@ async def _sims(ports: list[int]) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     servers = [await start_sim(SimOptions(engine=engine, profile=profile, model=W.MODEL, port=port,
                                           report_cached_tokens=True))
-               for (_, engine, profile, _), port in zip(PORTFOLIO, ports)]
+               for (engine, profile), port in zip(engines, ports)]
     await stop.wait()
     for s in servers:
         await s.close()
@@ -120,18 +121,8 @@ class Stack:
         return cls(policy, load, [gw, sims], f"http://127.0.0.1:{gw_port}",
                    [f"http://127.0.0.1:{p}" for p in sim_ports])
 
-    async def wait_ready(self, http: aiohttp.ClientSession, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                async with http.get(self.url + "/readyz") as r:
-                    data = await r.json()
-                    if r.status == 200 and all(s == "ready" for s in data["backends"].values()):
-                        return
-            except (aiohttp.ClientError, ValueError, KeyError):
-                pass  # not up yet
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"stack {self.policy}/{self.load} did not become ready")
+    async def wait_ready(self, http: aiohttp.ClientSession) -> None:
+        await wait_ready(http, self.url, f"stack {self.policy}/{self.load}")
 
     async def sim_health(self, http: aiohttp.ClientSession) -> dict:
         out = {}
@@ -153,6 +144,21 @@ class Stack:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str, what: str, timeout: float = 60.0) -> None:
+    """Until the gateway at `url` is ready with every backend ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(url + "/readyz") as r:
+                data = await r.json()
+                if r.status == 200 and all(s == "ready" for s in data["backends"].values()):
+                    return
+        except (aiohttp.ClientError, ValueError, KeyError):
+            pass  # not up yet
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{what} did not become ready")
 
 
 # -- the load generator -------------------------------------------------------------------------------

@@ -68,6 +68,14 @@ class LoadSample:
     idle_slots: int | None = None
     total_slots: int | None = None
     at: float = 0.0  # monotonic time the sample was taken
+    # The engine's own latency figures: running totals of its TTFT and inter-token histograms (vLLM, SGLang),
+    # or its recent prompt and generation throughput (llama.cpp).
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
+    prompt_tps: float | None = None
+    predicted_tps: float | None = None
 
 
 class BackendView(NamedTuple):

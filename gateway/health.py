@@ -234,7 +234,7 @@ async def scrape_one(b, cfg: HealthConfig) -> None:
         log.debug("load scrape of %s failed: %r", b.id, e)  # the next scrape tries again
         return
     if sample is not None:
-        b.load, b.load_in_flight = sample, b.in_flight
+        b.take_load(sample)
 
 
 async def _cancel_all(tasks) -> None:

@@ -43,6 +43,12 @@ POOL_GAUGES = (
     ("shapegate_engine_kv_usage", "Engine-reported KV cache usage (0-1)", ("backend", "engine"), "livemostrecent"),
     ("shapegate_engine_load_age_seconds", "Age of the last engine load sample (stale ones are not used for "
      "routing)", ("backend", "engine"), "livemin"),
+    ("shapegate_engine_reported_ttft_seconds", "The engine's own mean TTFT over recent scrapes of its metrics",
+     ("backend", "engine"), "livemostrecent"),
+    ("shapegate_engine_reported_itl_seconds", "The engine's own mean inter-token latency over recent scrapes",
+     ("backend", "engine"), "livemostrecent"),
+    ("shapegate_latency_fit_divergence", "The gateway's fitted ITL at the engine's current load over the engine's "
+     "own mean ITL (1: they agree)", ("backend", "engine"), "livemostrecent"),
 )
 
 
@@ -68,6 +74,13 @@ def pool_samples(backends: Iterable, now: float) -> Iterator[tuple[str, tuple[st
         if b.load is not None:
             yield "shapegate_engine_load_age_seconds", (bid, engine), max(now - b.load.at, 0.0)
         load = b.fresh_load(now)
+        r = b.reported
+        if r.ttft is not None:
+            yield "shapegate_engine_reported_ttft_seconds", (bid, engine), r.ttft
+        if r.itl is not None:
+            yield "shapegate_engine_reported_itl_seconds", (bid, engine), r.itl
+            running = load.running if load is not None and load.running else 1.0
+            yield "shapegate_latency_fit_divergence", (bid, engine), b.latency.estimate().itl(running) / r.itl
         for name, v in (("shapegate_engine_running", load.running if load else None),
                         ("shapegate_engine_waiting", load.waiting if load else None),
                         ("shapegate_engine_kv_usage", load.kv_usage if load else None)):

@@ -11,6 +11,7 @@ import aiohttp
 
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.contracts import READY, BackendView, LoadSample
+from gateway.engine_latency import EngineLatency
 from gateway.health import Breaker, HealthState
 from gateway.stats import BackendStats, LatencyModel
 
@@ -32,6 +33,7 @@ class BackendState:
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
         self.load: LoadSample | None = None
         self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
+        self.reported = EngineLatency()  # the engine's own latency figures, from the same scrapes
         self.last_output = float("-inf")  # start time of the latest-started request that got output here
         self.latency = LatencyModel(cfg.hints, gcfg.stats.model_half_life_s, gcfg.stats.warmup_samples)
         self.stats = BackendStats(gcfg.stats.max_samples)
@@ -42,6 +44,14 @@ class BackendState:
         self.unsupported: dict[str, str] = {}
         self.probe_cfg = gcfg.probe
         self.probe_task = None  # the support probe running since the last promotion to ready
+
+    def take_load(self, sample: LoadSample) -> None:
+        """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,
+        while the gateway has measured little here itself, stand in for the latency model's prior."""
+        self.load, self.load_in_flight = sample, self.in_flight
+        r = self.reported
+        if r.observe(sample):
+            self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)
 
     def window(self, model: str) -> int | None:
         """Tokens one request for `model` may hold here: the configured max_context, else what the engine

@@ -57,14 +57,10 @@ def launch(g, x: Experiment, arm: Arm, st, shape: RequestShape, body: dict, raw:
     if x.shadow_in_flight[arm.name] >= budget:
         return _skip(g, x, arm, "skipped_busy")
     now = time.monotonic()
-    ready = [b for b in g.pool.candidates(shape.model, shape.klass, now) if b.id in arm.backends] \
-        if arm.backends else []
+    # The pool's own test of which backends may take this request now (ready, breaker, class, probe).
+    ready = [b for b in g.pool.candidates(shape.model, shape.klass, now) if b.id in arm.backends]
     if not ready:
-        # The pool's candidates leave out the arm's backends only when they are not usable.
-        ready_any = [b for b in (g.pool.get(i) for i in arm.backends) if b is not None and b.usable(now)]
-        if not ready_any:
-            return _skip(g, x, arm, "skipped_unhealthy")
-        ready = ready_any
+        return _skip(g, x, arm, "skipped_unhealthy")
     free = [b for b in ready if not _saturated(b, now)]
     if not free:
         return _skip(g, x, arm, "skipped_busy")
@@ -165,7 +161,8 @@ async def _measure(b, call: UpstreamCall, shape: RequestShape, cfg) -> tuple[Out
         usage = usage_of(data) or {}
         n = usage.get("completion_tokens") or len(tokens or ())
         itl = (t_last - t_first) / (n - 1) if t_first is not None and t_last is not None and n > 1 else None
-        ok = b'"error"' not in data[:200] and data.rstrip().endswith(b"[DONE]")
+        # Served: output began and no error event came (llama.cpp may end a stream without [DONE]).
+        ok = t_first is not None and b'data: {"error"' not in data and b'data:{"error"' not in data
         return Outcome(b.id, shape, ok, 200 if ok else 502, ttft=(t_first - t0) if t_first else None, itl=itl,
                        e2e=e2e, prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=n,
                        result=OK if ok else ENGINE_ERROR), text, tokens

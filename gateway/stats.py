@@ -29,6 +29,8 @@ TYPICAL_RUNNING = 8.0
 # samples once it is at least MIN_AGE_S old (a solve costs ~20 us: at most a few dozen per second).
 REFRESH_S = 1.0
 MIN_AGE_S = 0.05
+# While the model has fewer samples of its own than this, the engine's own latency figures replace the prior.
+COLD_SAMPLES = 4
 # The moment sums are decayed at most this often on the request path (between times, new samples are
 # weighted up instead, which is exact).
 DECAY_EVERY_S = 1.0
@@ -58,6 +60,10 @@ class DecayingRidge:
             self.last = now
 
     def add(self, xs: tuple[float, ...], y: float, now: float, weight: float = 1.0) -> None:
+        self.add_row((1.0, *xs), y, now, weight)
+
+    def add_row(self, row: tuple[float, ...], y: float, now: float, weight: float = 1.0) -> None:
+        """One equation y = w . row (row[0] multiplies w0: 1 for an intercept, 0 for an equation without it)."""
         dt = now - self.last
         if dt > DECAY_EVERY_S:
             self._decay(now)
@@ -65,7 +71,6 @@ class DecayingRidge:
             # Same result as decaying every sum to `now` first, at the cost of one power instead of
             # rebuilding the sums: the new sample weighs more by the decay the others have not had yet.
             weight *= 2.0 ** (dt / self.half_life)
-        row = (1.0, *xs)
         a, b, n = self.a, self.b, self.n
         for i in range(n):
             wi = weight * row[i]
@@ -105,10 +110,17 @@ class DecayingRidge:
 
 
 class LatencyModel:
-    """Per-backend latency, fitted online from the gateway's own streams.
+    """Per-backend latency, fitted online from every request the gateway serves there.
 
-    TTFT ~ t0 + uncached prompt tokens / rate + c * running (fitted on samples that did not queue for a slot);
-    ITL ~ a + b * (streams - 1), streams averaged over the request's life; service time = mean e2e (queue waits).
+    One fit of TTFT ~ t0 + uncached prompt tokens / rate + c * running and ITL ~ a + b * streams (streams
+    averaged over the request's life). A stream gives both figures; a non-streamed reply gives only its e2e,
+    which is one equation in the same parameters: e2e = TTFT + (output tokens - 1) * ITL. Samples that
+    queued for a slot say nothing about t0 and are left out of it. Service time = mean e2e (queue waits).
+
+    Equations are weighted by what they can tell: a TTFT or an ITL by the typical size of that figure (so that
+    streams alone give the same fit as two separate least squares), an e2e by its own predicted size, so that
+    a long non-streamed generation teaches ITL about as much as one stream does and says little about t0,
+    and a long prompt with a short answer the reverse.
     """
 
     def __init__(self, hints: LatencyHints, half_life_s: float = 120.0, warmup_samples: int = 1,
@@ -117,18 +129,22 @@ class LatencyModel:
         rate = hints.prefill_tps or PRIOR_PREFILL_TPS
         itl_a = (hints.itl_ms / 1000) if hints.itl_ms else PRIOR_ITL_S
         itl_b = (hints.itl_per_stream_ms / 1000) if hints.itl_per_stream_ms is not None else PRIOR_ITL_PER_STREAM_S
-        # Coefficients as fitted: TTFT on (1, tokens, running), ITL on (1, streams), service on (1,).
-        self._ttft_prior = (t0, 1.0 / rate, PRIOR_TTFT_PER_RUNNING_S)
-        self._itl_prior = (itl_a - itl_b, itl_b)
+        # Coefficients as fitted: (t0, 1/rate, per running, ITL intercept, ITL per stream).
+        self._prior = (t0, 1.0 / rate, PRIOR_TTFT_PER_RUNNING_S, itl_a - itl_b, itl_b)
+        # The typical size of a TTFT and of an ITL under the prior: each kind of equation is divided by it.
+        self._ttft_scale = t0 + TYPICAL_PROMPT_TOKENS / rate
+        self._itl_scale = itl_a
+        t, i = self._ttft_scale, self._itl_scale
+        self._scales = (1.0 / t, TYPICAL_PROMPT_TOKENS / t, TYPICAL_RUNNING / t, 1.0 / i, TYPICAL_RUNNING / i)
         self._svc_prior = (t0 + 256 * itl_a,) if hints.itl_ms else (PRIOR_SERVICE_S,)
-        self._ttft = DecayingRidge(2, half_life_s)
-        self._itl = DecayingRidge(1, half_life_s)
+        self._fit = DecayingRidge(4, half_life_s)
         self._svc = DecayingRidge(0, half_life_s)
         self.warmup_samples = warmup_samples
         self._skip = 0
         self._ready_since: float | None = None
         self.samples = 0  # taught the model (warm-up and failures excluded)
         self.skipped = 0
+        self.from_e2e = 0  # of them, non-streamed replies (taught through their e2e)
         self._clock = clock
         self._cached: LatencyEstimate | None = None
         self._cached_at = 0.0
@@ -152,17 +168,49 @@ class LatencyModel:
             return False
         cap = float(slots) if slots else float("inf")
         start = float(o.running_at_start)
-        if o.ttft is not None and start < cap:  # a request that queued for a slot says nothing about t0
-            uncached = float(max(o.prompt_tokens - o.cached_tokens, 0))
-            self._ttft.add((uncached, start), o.ttft, now)
-        if o.itl is not None and o.completion_tokens > 1:
-            end = float(running_end) if running_end is not None else start
-            streams = min(1.0 + (start + end) / 2.0, cap)
-            self._itl.add((streams,), o.itl, now)
+        uncached = float(max(o.prompt_tokens - o.cached_tokens, 0))
+        end = float(running_end) if running_end is not None else start
+        streams = min(1.0 + (start + end) / 2.0, cap)
+        fit = self._fit
+        if o.ttft is not None or o.itl is not None:
+            if o.ttft is not None and start < cap:  # a request that queued for a slot says nothing about t0
+                t = self._ttft_scale
+                fit.add_row((1.0 / t, uncached / t, start / t, 0.0, 0.0), o.ttft / t, now)
+            if o.itl is not None and o.completion_tokens > 1:
+                i = self._itl_scale
+                fit.add_row((0.0, 0.0, 0.0, 1.0 / i, streams / i), o.itl / i, now)
+        elif o.completion_tokens > 0 and start < cap and o.e2e > 0:
+            steps = float(o.completion_tokens - 1)
+            e = self._predicted_e2e(uncached, start, steps, streams)
+            fit.add_row((1.0 / e, uncached / e, start / e, steps / e, steps * streams / e), o.e2e / e, now)
+            self.from_e2e += 1
         self._svc.add((), o.e2e, now)
         self.samples += 1
         self._dirty = True
         return True
+
+    def engine_prior(self, ttft: float | None, itl: float | None, prefill_rate: float | None) -> bool:
+        """At cold start, take the engine's own figures (gateway.engine_latency) as the prior; False (and
+        nothing changed) once the model has COLD_SAMPLES samples of its own."""
+        if self.samples >= COLD_SAMPLES:
+            return False
+        t0, slope, per_running, a0, b = self._prior
+        if prefill_rate:
+            slope = 1.0 / prefill_rate
+        if ttft:
+            t0 = ttft  # the engine's mean over its own prompts: a guess at the intercept on the safe side
+        if itl:
+            a0 = itl - b
+        self._prior = (t0, slope, per_running, a0, b)
+        self._cached, self._dirty = None, True
+        return True
+
+    def _predicted_e2e(self, uncached: float, running: float, steps: float, streams: float) -> float:
+        """What the current fit predicts for a reply: the scale of that reply's equation (never below 1 ms)."""
+        est = self.estimate()
+        itl = est.itl_a + est.itl_b * (streams - 1.0)
+        e2e = est.ttft_t0 + uncached / est.prefill_rate + est.ttft_per_running * running + steps * itl
+        return e2e if e2e > 0.001 else 0.001
 
     def estimate(self) -> LatencyEstimate:
         now = self._clock()
@@ -171,15 +219,13 @@ class LatencyModel:
             if age < MIN_AGE_S or (age < REFRESH_S and not self._dirty):
                 return self._cached
         self._dirty = False
-        t0, slope, per_running = self._ttft.solve(self._ttft_prior, (1.0, TYPICAL_PROMPT_TOKENS, TYPICAL_RUNNING),
-                                                  PRIOR_WEIGHT, now)
-        a, b = self._itl.solve(self._itl_prior, (1.0, TYPICAL_RUNNING), PRIOR_WEIGHT, now)
+        t0, slope, per_running, a, b = self._fit.solve(self._prior, self._scales, PRIOR_WEIGHT, now)
         (service,) = self._svc.solve(self._svc_prior, (1.0,), PRIOR_WEIGHT, now)
         b = max(b, 0.0)
-        weight = max(self._ttft.weight(now), self._itl.weight(now), self._svc.weight(now))
         self._cached = LatencyEstimate(
             ttft_t0=max(t0, 0.0005), prefill_rate=1.0 / max(slope, 1e-6), itl_a=max(a + b, 0.0002), itl_b=b,
-            samples=int(weight + 0.5), ttft_per_running=max(per_running, 0.0), service_s=max(service, 0.001))
+            samples=int(self._svc.weight(now) + 0.5), ttft_per_running=max(per_running, 0.0),
+            service_s=max(service, 0.001))
         self._cached_at = now
         return self._cached
 

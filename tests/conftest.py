@@ -10,7 +10,8 @@ from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gat
 
 @pytest.fixture
 async def engines():
-    started = [await FakeEngine(Knobs()).start(), await FakeEngine(Knobs()).start()]
+    """Three fake engines; the `gateway` fixture puts the first two behind it (experiments use all three)."""
+    started = [await FakeEngine(Knobs()).start() for _ in range(3)]
     yield started
     for e in started:
         await e.stop()

@@ -29,6 +29,11 @@ class Knobs:
     active: int = 0
     max_active: int = 0  # the most requests it held at once
     word: str = "w"  # the output is "<word>0 <word>1 ...": engines with another word answer differently
+    # A latency model, streamed or not: first token after ttft_s + prompt characters / 1000 * prefill_s_per_kchar,
+    # then token_s per further token. With it the usage counts prompt tokens as characters / 4.
+    ttft_s: float = 0.0
+    prefill_s_per_kchar: float = 0.0
+    token_s: float = 0.0
 
 
 KNOBS: web.AppKey[Knobs] = web.AppKey("knobs", Knobs)
@@ -63,7 +68,14 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
                                 headers=headers)
         model = body.get("model", "fake")
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or k.stream_chunks)
+        timed = k.ttft_s or k.prefill_s_per_kchar or k.token_s
+        chars = len(orjson.dumps(body.get("messages") or body.get("prompt") or ""))
+        prompt_tokens = chars // 4 if timed else 10
+        if timed:
+            await asyncio.sleep(k.ttft_s + chars / 1000 * k.prefill_s_per_kchar)
         if not body.get("stream"):
+            if timed:
+                await asyncio.sleep((n - 1) * k.token_s)
             text = " ".join(f"{k.word}{i}" for i in range(n))
             if route == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -71,7 +83,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
                 choice = {"index": 0, "text": text, "finish_reason": "length"}
             obj = {"id": "x", "object": "chat.completion" if route == "chat" else "text_completion", "created": 1,
                    "model": model, "choices": [choice],
-                   "usage": {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n}}
+                   "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}}
             return web.Response(body=orjson.dumps(obj), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -86,14 +98,16 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
                 return resp
             if k.chunk_delay:
                 await asyncio.sleep(k.chunk_delay)
+            if i and k.token_s:
+                await asyncio.sleep(k.token_s)
             await resp.write(_chunk(model, f"{k.word}{i} ", route=route))
         await resp.write(_chunk(model, None, "length", route) if route == "chat" else _chunk(model, "", "length", route))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage") or k.usage_default:
             await resp.write(b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "created": 1,
                                                         "model": model, "choices": [], "usage": {
-                                                            "prompt_tokens": 10, "completion_tokens": n,
-                                                            "total_tokens": 10 + n}}) + b"\n\n")
+                                                            "prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                                            "total_tokens": prompt_tokens + n}}) + b"\n\n")
         if k.done:
             await resp.write(b"data: [DONE]\n\n")
         return resp

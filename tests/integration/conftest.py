@@ -17,3 +17,4 @@ def chromium() -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail("CI is set but /usr/bin/chromium is missing: apt-get install -y chromium")
     pytest.skip("/usr/bin/chromium is not installed (apt-get install -y chromium)")
+

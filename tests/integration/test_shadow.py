@@ -11,18 +11,9 @@ import openai
 import pytest
 
 from tests.e2e.targets import wait_for
-from tests.fake_engine import FakeEngine
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
 MODEL, CONTROL = "m", "c"
-
-
-@pytest.fixture
-async def engines():
-    es = [await FakeEngine().start() for _ in range(3)]
-    yield es
-    for e in es:
-        await e.stop()
 
 
 def shadow_config(engines, shadow=True, budget=4, candidate=1) -> dict:

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics
+from gateway.config import LatencyHints
 from gateway.contracts import ENGINE_ERROR, OK, LoadSample
+from gateway.stats import LatencyModel
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-shapegate.json"
 METRIC = re.compile(r"\bshapegate_[a-z0-9_]+")
@@ -24,7 +26,9 @@ def exposed() -> dict[str, set[str]]:
     load = SimpleNamespace(running=1.0, waiting=2.0, kv_usage=0.5, at=0.0)
     backend = SimpleNamespace(id="b", engine="vllm", health=SimpleNamespace(state="ready"), in_flight=0,
                               breaker=SimpleNamespace(state=lambda now: "closed"),
-                              load=LoadSample(1.0, 2.0, 0.5, at=0.0), fresh_load=lambda now: load)
+                              load=LoadSample(1.0, 2.0, 0.5, at=0.0), fresh_load=lambda now: load,
+                              reported=SimpleNamespace(ttft=0.1, itl=0.01),
+                              latency=LatencyModel(LatencyHints()))
     m = Metrics(lambda: [backend])
     m.observe("b", "m", "default", 200, 0.01, 0.002, 0.1, 10, 5, 0.0001, OK)
     m.count("b", "m", "default", 500, 10, 0, ENGINE_ERROR)
