@@ -11,6 +11,10 @@ from gateway.contracts import INTERACTIVE, LONG_PROMPT, BackendView, Decision, O
 EXPLORE_PENALTY_S = 1e4
 # Score added to a backend predicted to stream a TTFT-scored request slower than max_itl_s.
 SLOW_STREAM_PENALTY_S = 100.0
+# Score added to a slot engine where a request would queue for a slot while another candidate can start it
+# now, and to an interactive backend whose slots are all kept for sessions: both stay as failover only.
+QUEUED_SLOT_PENALTY_S = 1e3
+MAX_SESSIONS = 4096  # sessions remembered; ids are client strings, so the memory is bounded
 
 
 class Params(BaseModel):
@@ -34,8 +38,10 @@ class Params(BaseModel):
     explore_samples: int = Field(2, ge=0)
     explore_in_flight: int = Field(1, ge=1)
     explore_max_output: int = Field(256, ge=0)
-    # Slots of an interactive llama.cpp backend that other classes leave free for interactive sessions.
+    # Slots of an interactive llama.cpp backend that other classes leave free for interactive sessions: at
+    # least this many, and one per session seen within session_memory_s (a session's next turn needs its slot).
     reserve_interactive_slots: int = Field(1, ge=0)
+    session_memory_s: float = Field(120.0, gt=0)
     # Above this KV usage a batch engine admits new requests only as others finish.
     kv_high: float = Field(0.95, gt=0, le=1)
     # An interactive llama.cpp backend whose slot count is unknown is assumed to have this many.
@@ -63,6 +69,8 @@ class Shape:
         # Running mean (prompt, output) tokens of the requests this policy sent to each backend. Known at
         # dispatch, so unlike the mean of finished requests it is not biased towards the short ones.
         self._sizes: dict[str, tuple[float, float]] = {}
+        # Session id -> when its last turn was routed: the sessions an interactive backend keeps slots for.
+        self._sessions: dict[str, float] = {}
 
     def predict(self, b: BackendView, inp: RouteInput, reserve: int) -> tuple[float, float, float, float]:
         """(queue wait, TTFT, ITL, cost to the streams already running) of the request on backend b, in seconds."""
@@ -78,6 +86,9 @@ class Shape:
         if uncached < 1:
             uncached = 1  # an engine always computes at least the last prompt token
         in_flight = b.in_flight
+        if load is not None and load.total_slots and load.idle_slots is not None:
+            # Slots busy by the engine's own count: requests of other clients or replicas hold slots too.
+            in_flight = max(in_flight, load.total_slots - load.idle_slots)
         running = float(in_flight)
         wait = 0.0
         if load is not None and load.total_slots:  # slot engine: beyond the slots, requests wait for one
@@ -120,8 +131,15 @@ class Shape:
         explore: tuple[int, float, int] | None = None  # (samples, score, index) of the backend to try
         # Sessions are never the guinea pigs: they wait on every token.
         cheap = klass != INTERACTIVE and inp.shape.output_tokens <= p.explore_max_output
+        kept = p.reserve_interactive_slots
+        if klass == INTERACTIVE and inp.shape.session_id is not None:
+            self._session_seen(inp.shape.session_id, inp.now)
+        elif any(b.interactive for b in inp.candidates):
+            kept = max(kept, self._active_sessions(inp.now))
+        queued: list[int] = []  # slot engines where the request would wait for a slot
+        can_start_now = False
         for i, b in enumerate(inp.candidates):
-            reserve = p.reserve_interactive_slots if b.interactive and klass != INTERACTIVE else 0
+            reserve = kept if b.interactive and klass != INTERACTIVE else 0
             wait, ttft, itl, herd = self.predict(b, inp, reserve)
             if use_ttft:
                 metric = ttft
@@ -131,6 +149,13 @@ class Shape:
             else:
                 metric = ttft + steps * itl
                 score = metric + p.wait_weight * wait + p.herd_weight * herd
+            slots = b.load.total_slots if b.load is not None else None
+            if reserve and slots and reserve >= slots:
+                score += QUEUED_SLOT_PENALTY_S  # every slot is kept for the sessions that use this backend
+            elif wait > 0 and slots:
+                queued.append(i)
+            elif wait == 0:
+                can_start_now = True
             if b.latency.samples < p.explore_samples:
                 if b.in_flight >= p.explore_in_flight:
                     score += EXPLORE_PENALTY_S
@@ -139,6 +164,10 @@ class Shape:
             if klass == INTERACTIVE and b.interactive and idle_slot(b, p.assumed_slots):
                 slot_ok.add(i)
             scored.append((score, metric, i, b))
+        if queued and can_start_now and not use_ttft:
+            # A request behind busy slots waits for as long as a whole request takes there, the least certain
+            # prediction of all: never when an engine that batches (or a free slot elsewhere) can start it now.
+            scored = [(s[0] + QUEUED_SLOT_PENALTY_S, *s[1:]) if s[2] in queued else s for s in scored]
         scored.sort(key=_score)
         name = "ttft" if use_ttft else "e2e"
         if explore is not None:
@@ -174,6 +203,23 @@ class Shape:
         a = self.p.size_alpha
         self._sizes[backend] = (old[0] + a * (shape.prompt_tokens - old[0]),
                                 old[1] + a * (shape.output_tokens - old[1]))
+
+    def _session_seen(self, session: str, now: float) -> None:
+        self._sessions.pop(session, None)
+        self._sessions[session] = now  # re-inserted: the dict stays in the order of last use
+        if len(self._sessions) > MAX_SESSIONS:
+            del self._sessions[next(iter(self._sessions))]
+
+    def _active_sessions(self, now: float) -> int:
+        """Sessions with a turn within session_memory_s; older ones are forgotten on the way."""
+        horizon = now - self.p.session_memory_s
+        sessions = self._sessions
+        while sessions:
+            oldest = next(iter(sessions))
+            if sessions[oldest] >= horizon:
+                break
+            del sessions[oldest]
+        return len(sessions)
 
     def observe(self, outcome: Outcome) -> None:
         pass  # the latency model learns from every outcome in the record stage; nothing policy-local

@@ -227,3 +227,36 @@ def test_shape_queue_wait_uses_the_sizes_it_sent():
     assert p.service(full, 4) > 10.0
     wait, ttft, _, _ = p.predict(full, RouteInput(req(DEFAULT), (full,)), 0)
     assert wait > 2.5 and ttft > wait
+
+
+def test_shape_never_queues_a_long_generation_behind_busy_slots_when_a_batching_engine_can_start_it():
+    # The llama decodes 2x faster, so even a wait of one request looks worth it by the model; it is not:
+    # a request behind busy slots waits as long as a whole generation, the least certain prediction of all.
+    busy = view("llama", LLAMA, 2, slots(2, total=2), engine="llamacpp")
+    gen = req(LONG_OUTPUT, 110, 1000)
+    d = rank(make("shape", wait_weight=0.0), gen, busy, view("vllm", VLLM, 1))
+    assert ids(d) == ["vllm", "llama"]  # the slot engine stays as failover
+    # With nowhere to start at once, the predictions decide as before.
+    d = rank(make("shape"), gen, busy, view("vllm", VLLM, 900, LoadSample(running=256, waiting=600)))
+    assert ids(d)[0] == "llama"
+
+
+def test_shape_busy_slots_by_the_engines_own_count():
+    # The gateway holds no request there, but the engine reports both slots busy (another replica's requests).
+    other = view("llama", LLAMA, 0, slots(2, total=2), engine="llamacpp")
+    wait, *_ = make("shape").predict(other, RouteInput(req(DEFAULT), (other,)), 0)
+    assert wait > 0
+
+
+def test_shape_keeps_a_slot_per_recent_session_on_an_interactive_backend():
+    p = make("shape", reserve_interactive_slots=1, session_memory_s=60)
+    llama = view("llama", LLAMA, 0, slots(0, total=2), interactive=True, engine="llamacpp")
+    vllm = view("vllm", VLLM, 1)
+    gen = req(DEFAULT, 110, 100)
+    at = lambda t: RouteInput(gen, (llama, vllm), None, t, 0)  # noqa: E731
+    assert ids(p.rank(at(0.0)))[0] == "llama"  # one slot kept, one free for other classes
+    for s in ("s1", "s2"):  # two live sessions: both slots are theirs
+        p.rank(RouteInput(req(INTERACTIVE, 300, 120, session=s), (llama, vllm), None, 10.0, 0))
+    assert ids(p.rank(at(20.0))) == ["vllm", "llama"]
+    assert ids(p.rank(at(69.0)))[0] == "vllm"  # s1 and s2 were seen at 10 s: still within 60 s at 69 s...
+    assert ids(p.rank(at(71.0)))[0] == "llama"  # ...and forgotten after 70 s
