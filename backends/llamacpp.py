@@ -24,7 +24,6 @@ class LlamaCppBackend(OpenAIHTTPBackend):
         "predicted_tps": ("llamacpp:predicted_tokens_seconds",),
     }
     needs_max_tokens = True
-    done_after_error = False
     props_path = "/props"
 
     async def context_window(self, model: str, timeout: float) -> int | None:

@@ -83,8 +83,6 @@ class OpenAIHTTPBackend:
     metric_names: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     # Engines that ignore max_completion_tokens get it as max_tokens.
     needs_max_tokens: ClassVar[bool] = False
-    # Engines that end a stream without [DONE] after an in-band error.
-    done_after_error: ClassVar[bool] = True
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,

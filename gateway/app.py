@@ -151,7 +151,6 @@ async def experiments(request: web.Request) -> web.Response:
     return await list_experiments(request)
 
 
-SHUTTING_DOWN: web.AppKey[bool] = web.AppKey("shutting_down", bool)
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
 
 
@@ -234,7 +233,6 @@ async def _flush_loop(g: Gateway) -> None:
 def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Application:
     app = web.Application(client_max_size=cfg.server.max_body_bytes, handler_args={"tcp_keepalive": True})
     app[GATEWAY] = Gateway(cfg)
-    app[SHUTTING_DOWN] = False
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
     r = app.router  # the API routes themselves are served by the front (gateway/front.py)
     r.add_get("/v1/models", guarded(models))

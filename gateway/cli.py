@@ -220,21 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_parser("new", help="generate a new random key and print it with its digest")
     k.set_defaults(func=cmd_keys)
 
-    try:
-        from gateway.sim import main as sim_main
-    except ImportError:
-        sim_main = None
-    if sim_main is not None:
-        sm = sub.add_parser("sim", help="run one simulated engine (vllm, sglang or llamacpp flavour)",
-                            description="Run an OpenAI-compatible engine simulator with a latency model.")
-        sim_main.add_arguments(sm)
-        sm.set_defaults(func=cmd_sim)
-        d = sub.add_parser("demo", help="start a simulated portfolio and the gateway in front of it",
-                           description="Start three simulated engines and the gateway; Ctrl-C stops all.")
-        d.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
-        d.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-        d.add_argument("--ab", action="store_true", help="also run an A/B experiment: vLLM against SGLang")
-        d.set_defaults(func=cmd_demo)
+    from gateway.sim import main as sim_main  # part of the package: the simulator and the demo always exist
+
+    sm = sub.add_parser("sim", help="run one simulated engine (vllm, sglang or llamacpp flavour)",
+                        description="Run an OpenAI-compatible engine simulator with a latency model.")
+    sim_main.add_arguments(sm)
+    sm.set_defaults(func=cmd_sim)
+    d = sub.add_parser("demo", help="start a simulated portfolio and the gateway in front of it",
+                       description="Start three simulated engines and the gateway; Ctrl-C stops all.")
+    d.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    d.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    d.add_argument("--ab", action="store_true", help="also run an A/B experiment: vLLM against SGLang")
+    d.set_defaults(func=cmd_demo)
     return p
 
 

@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ENGINES = ("vllm", "sglang", "llamacpp", "openai")
 CLASS_NAMES = ("long_output", "long_prompt", "interactive", "default")
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
 KEY_PLACEHOLDER = "run-shapegate-keys-new-and-put-its-sha256-here"

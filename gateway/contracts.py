@@ -137,8 +137,6 @@ class Policy(Protocol):
 
     def rank(self, inp: RouteInput) -> Decision: ...
 
-    def observe(self, outcome: Outcome) -> None: ...
-
 
 class UpstreamCall(NamedTuple):
     """One HTTP call to a backend: the body is already in the engine's dialect."""

@@ -229,8 +229,6 @@ class Gateway:
             if arm is not None:
                 split.record(arm, shape.klass, o)
                 self.metrics.experiment(split.name, arm, shape.klass, o)
-        policy = self.policy_for(shape.model)
-        policy.observe(o)
         if self.affinity is not None and o.ok:
             self.affinity.record(shape, b.id)
         if o.ok and shape.output_tokens and o.completion_tokens and shape.route != "embeddings":

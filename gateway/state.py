@@ -141,9 +141,6 @@ class RedisStore:
                 out.append((cid.decode() if isinstance(cid, bytes) else str(cid), payload))
         return out
 
-    async def delete(self, channel: str) -> None:
-        await self._call(self._r.delete(self._prefix + channel))
-
     async def close(self) -> None:
         await self._r.aclose()
 

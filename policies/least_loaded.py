@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.contracts import BackendView, Decision, Outcome, RouteInput
+from gateway.contracts import BackendView, Decision, RouteInput
 
 
 class Params(BaseModel):
@@ -33,5 +33,3 @@ class LeastLoaded:
         best = ranked[0]
         return Decision(tuple(ranked), f"least_loaded in_flight={best.in_flight}")
 
-    def observe(self, outcome: Outcome) -> None:
-        pass

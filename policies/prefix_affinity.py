@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.contracts import BackendView, Decision, Outcome, RouteInput
+from gateway.contracts import BackendView, Decision, RouteInput
 
 
 class Params(BaseModel):
@@ -71,5 +71,3 @@ class PrefixAffinity:
             return Decision(tuple(ranked), f"prefix_affinity:{why} -> {target.id}")
         return Decision(tuple(ranked), f"prefix_affinity:least_loaded ({why})")
 
-    def observe(self, outcome: Outcome) -> None:
-        pass

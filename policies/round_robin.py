@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.contracts import Decision, Outcome, RouteInput
+from gateway.contracts import Decision, RouteInput
 
 
 class Params(BaseModel):
@@ -25,5 +25,3 @@ class RoundRobin:
         self._next += 1
         return Decision(c[i:] + c[:i], "round_robin")
 
-    def observe(self, outcome: Outcome) -> None:
-        pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.contracts import INTERACTIVE, LONG_PROMPT, BackendView, Decision, Outcome, RouteInput
+from gateway.contracts import INTERACTIVE, LONG_PROMPT, BackendView, Decision, RouteInput
 
 # Score added to a backend that is still being explored and already has its exploration requests:
 # it stays in the ranking (failover) but loses to every measured backend.
@@ -220,9 +220,6 @@ class Shape:
                 break
             del sessions[oldest]
         return len(sessions)
-
-    def observe(self, outcome: Outcome) -> None:
-        pass  # the latency model learns from every outcome in the record stage; nothing policy-local
 
 
 def _score(s: tuple[float, float, int, BackendView]) -> tuple[float, int]:

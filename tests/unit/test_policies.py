@@ -6,7 +6,7 @@ import pytest
 
 import policies
 from gateway.contracts import (DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, BackendView, LatencyEstimate,
-                               LoadSample, Outcome, RequestShape, RouteInput)
+                               LoadSample, RequestShape, RouteInput)
 from policies import least_loaded, prefix_affinity, round_robin, shape
 
 # Roughly the R9700 engines: vLLM-like, SGLang-like (slow), llama.cpp-like (fast decode, 4 slots).
@@ -57,7 +57,6 @@ def test_every_policy_ranks_every_candidate_once_and_explains(name):
     vs = (view("a", VLLM), view("b", SGLANG, 2), view("c", LLAMA, 1, slots(1), engine="llamacpp"))
     d = rank(p, req(DEFAULT), *vs)
     assert sorted(ids(d)) == ["a", "b", "c"] and d.reason
-    p.observe(Outcome(backend="a", shape=req(DEFAULT), ok=True, status=200))
 
 
 def test_params_are_validated():
