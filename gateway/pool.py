@@ -22,12 +22,10 @@ class BackendState:
     """Everything the gateway knows about one backend right now."""
 
     def __init__(self, cfg: BackendConfig, adapter, gcfg: GatewayConfig) -> None:
-        self.cfg = cfg
         self.id = cfg.id
         self.engine = cfg.engine
         self.adapter = adapter
-        self.models = cfg.models  # public name -> the engine's own name
-        self.classes = frozenset(cfg.classes) if cfg.classes is not None else None
+        self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
@@ -38,12 +36,24 @@ class BackendState:
         self.latency = LatencyModel(cfg.hints, gcfg.stats.model_half_life_s, gcfg.stats.warmup_samples)
         self.stats = BackendStats(gcfg.stats.max_samples)
         self.next_probe = 0.0
-        self._load_stale_s = gcfg.health.load_stale_s
+        self._load_stale_s = 0.0
+        self.apply_settings(gcfg)
         self.windows: dict[str, int] = {}  # public model -> context window the engine reported
         # [probe] at_start: public model -> why this engine failed a required check for it (not routed here).
         self.unsupported: dict[str, str] = {}
         self.probe_cfg = gcfg.probe
         self.probe_task = None  # the support probe running since the last promotion to ready
+
+    def reconfigure(self, cfg: BackendConfig) -> None:
+        """Its own settings: at creation, and when a reload changes what it serves (same engine and URL)."""
+        self.cfg = cfg
+        self.models = cfg.models  # public name -> the engine's own name
+        self.classes = frozenset(cfg.classes) if cfg.classes is not None else None
+
+    def apply_settings(self, gcfg: GatewayConfig) -> None:
+        """The gateway-wide settings a backend works by (at creation, and again on each reload)."""
+        self.breaker.threshold, self.breaker.open_s = gcfg.health.breaker_failures, gcfg.health.breaker_open_s
+        self._load_stale_s = gcfg.health.load_stale_s
 
     def take_load(self, sample: LoadSample) -> None:
         """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,

@@ -14,7 +14,7 @@ from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_confi
 from gateway.errors import GatewayError
 from gateway.experiments import Experiments
 from gateway.pipeline import GATEWAY
-from gateway.runtime import build_policy
+from gateway.runtime import build_policy, build_routing
 
 log = logging.getLogger("shapegate.reload")
 
@@ -67,12 +67,8 @@ def apply(g, new: GatewayConfig) -> ReloadPlan:
     """Build everything the new config needs, then swap it in with no await in between."""
     p = plan(g.cfg, new)
     auth = Authenticator(new.auth)
-    if new.routing != g.cfg.routing:  # its policies were checked when the file was loaded
-        default_policy = build_policy(new.routing.policy, new.routing.params)
-        model_policies = {name: build_policy(m.policy or new.routing.policy, m.params)
-                          for name, m in new.routing.models.items()}
-    else:  # unchanged routing keeps the policies and what they learned
-        default_policy, model_policies = g.default_policy, g.model_policies
+    # Unchanged routing keeps the policies and what they learned.
+    routing = build_routing(new) if new.routing != g.cfg.routing else (g.default_policy, g.model_policies)
     old_cfg = g.cfg
     g.cfg = new  # adapters take their timeouts from g.cfg
     try:
@@ -82,23 +78,21 @@ def apply(g, new: GatewayConfig) -> ReloadPlan:
         raise
     g.auth = auth
     g.experiments = Experiments(new.experiments, previous=g.experiments)  # same experiments keep their samples
-    g.default_policy, g.model_policies = default_policy, model_policies
-    g.wants_prefix = any(getattr(x, "needs_prefix", False) for x in (default_policy, *model_policies.values()))
+    g.set_routing(*routing)
     g.access_log.enabled = new.server.access_log
     pool = g.pool
     for backend_id in (*p.removed, *(bc.id for bc in p.replaced)):
         pool.drain(backend_id)  # in-flight requests finish; no new ones
+        g.affinity_index.forget_backend(backend_id)  # its cached prefixes are gone (a replacement starts cold)
     for b in fresh:
         pool.add(b)  # starts in "starting": the probe loop picks it up within a tick
     for bc in p.updated:
         b = pool.remove(bc.id)
         if b is not None:
-            b.cfg, b.models = bc, bc.models
-            b.classes = frozenset(bc.classes) if bc.classes is not None else None
+            b.reconfigure(bc)
             pool.add(b)
     for b in pool.all():
-        b.breaker.threshold, b.breaker.open_s = new.health.breaker_failures, new.health.breaker_open_s
-        b._load_stale_s = new.health.load_stale_s
+        b.apply_settings(new)
     return p
 
 

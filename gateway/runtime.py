@@ -44,6 +44,13 @@ def build_policy(name: str, params: Mapping[str, Any]) -> Policy:
     return cls(params_model.model_validate(dict(params)))
 
 
+def build_routing(cfg: GatewayConfig) -> tuple[Policy, dict[str, Policy]]:
+    """The default policy and the per-model ones a configuration names (checked when it was loaded)."""
+    r = cfg.routing
+    return (build_policy(r.policy, r.params),
+            {name: build_policy(m.policy or r.policy, m.params) for name, m in r.models.items()})
+
+
 class AccessLog:
     """One JSON line per request, batched, and written to stdout without ever blocking the loop."""
 
@@ -126,11 +133,7 @@ class Gateway:
         self.cfg = cfg
         self.session = session
         self.auth = Authenticator(cfg.auth)
-        self.default_policy = build_policy(cfg.routing.policy, cfg.routing.params)
-        self.model_policies = {name: build_policy(m.policy or cfg.routing.policy, m.params)
-                               for name, m in cfg.routing.models.items()}
-        self.wants_prefix = any(getattr(p, "needs_prefix", False)
-                                for p in (self.default_policy, *self.model_policies.values()))
+        self.set_routing(*build_routing(cfg))
         # Prefix/session -> backend. Always built (empty it costs nothing), used only while some policy
         # needs it, so that a reload that switches to such a policy finds it ready.
         self.affinity_index = AffinityIndex(max_entries=cfg.state.affinity_max_entries,
@@ -155,6 +158,11 @@ class Gateway:
         self.stopping = False
         self.cutting = False
         self.streams: set = set()
+
+    def set_routing(self, default_policy: Policy, model_policies: dict[str, Policy]) -> None:
+        """The routing policies in use (at start, and on a reload that changed [routing])."""
+        self.default_policy, self.model_policies = default_policy, model_policies
+        self.wants_prefix = any(getattr(p, "needs_prefix", False) for p in (default_policy, *model_policies.values()))
 
     def attach(self, session: aiohttp.ClientSession) -> None:
         """Create the backend adapters on the shared client session."""
