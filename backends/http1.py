@@ -315,7 +315,7 @@ class Connection(asyncio.Protocol):
             self.pool.put_idle(self)
         else:
             self.abandon()  # unfinished: the engine sees the disconnect and aborts the request
-        self.pool.sem.release()
+        self.pool.give_back()
 
 
 def _expire(head: asyncio.Future) -> None:
@@ -327,14 +327,15 @@ Opener = Callable[[Callable[[], Connection]], Awaitable[Connection]]
 
 
 class HostPool:
-    """Idle keep-alive connections to one backend, bounded in number.
+    """Idle keep-alive connections to one backend, bounded in number, and within `shared` (a bound on the
+    connections of every backend's pool together) when one is given.
 
     `opener`, when given, makes a connection in place of a TCP connect (the gateway's in-process
     hop to its own aiohttp routes uses a socket pair).
     """
 
     def __init__(self, url: str, limit: int, connect_timeout: float, keepalive_s: float,
-                 idle_timeout: float, opener: Opener | None = None) -> None:
+                 idle_timeout: float, opener: Opener | None = None, shared: asyncio.Semaphore | None = None) -> None:
         u = urlsplit(url)
         self.loop = asyncio.get_running_loop()
         self.scheme = u.scheme
@@ -344,6 +345,8 @@ class HostPool:
         self.base_path = u.path.rstrip("/")
         self.ssl = ssl_mod.create_default_context() if u.scheme == "https" else None
         self.sem = asyncio.Semaphore(limit)
+        self.shared = shared
+        self.in_use = 0  # requests holding a slot: sent, or their reply not yet read to the end
         self.idle: deque[Connection] = deque()
         self.connect_timeout = connect_timeout
         self.keepalive_s = keepalive_s
@@ -383,13 +386,7 @@ class HostPool:
         acquired = False
         deadline = self.loop.time() + timeout
         try:
-            if self.sem.locked():
-                # Waiting for a free slot counts against the deadline: a hung engine holding every
-                # connection must not queue new requests without bound.
-                async with asyncio.timeout_at(deadline):
-                    await self.sem.acquire()
-            else:
-                await self.sem.acquire()  # returns at once
+            await self._take_slot(deadline)
             acquired = True
             path = self.base_path + path
             conn = self._take_idle()
@@ -406,8 +403,34 @@ class HostPool:
             if conn is not None:
                 conn.abandon()  # a timed-out or cancelled exchange must not be reused
             if acquired:
-                self.sem.release()
+                self.give_back()
             raise
+
+    async def _take_slot(self, deadline: float) -> None:
+        """A slot of this pool and, with a shared bound, one of all pools; waiting for either counts against
+        the deadline: a hung engine holding every connection must not queue new requests without bound."""
+        if self.sem.locked():
+            async with asyncio.timeout_at(deadline):
+                await self.sem.acquire()
+        else:
+            await self.sem.acquire()  # returns at once
+        if self.shared is not None:
+            try:
+                if self.shared.locked():
+                    async with asyncio.timeout_at(deadline):
+                        await self.shared.acquire()
+                else:
+                    await self.shared.acquire()
+            except BaseException:
+                self.sem.release()
+                raise
+        self.in_use += 1
+
+    def give_back(self) -> None:
+        self.in_use -= 1
+        self.sem.release()
+        if self.shared is not None:
+            self.shared.release()
 
     async def _head(self, head: asyncio.Future, deadline: float) -> Response:
         timer = self.loop.call_at(deadline, _expire, head)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, ClassVar, Mapping
 
@@ -86,12 +87,13 @@ class OpenAIHTTPBackend:
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,
-                 keepalive_s: float = 30.0) -> None:
+                 keepalive_s: float = 30.0, shared_limit: asyncio.Semaphore | None = None) -> None:
         self.id = id
         self.url = url
         self._session = session  # probes and scrapes; requests go through the lean pool below
         self._pool: HostPool | None = None
         self._limit = pool_limit
+        self._shared_limit = shared_limit  # [upstream] pool_limit: connections of every backend together
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._keepalive = keepalive_s
@@ -125,7 +127,7 @@ class OpenAIHTTPBackend:
         pool = self._pool
         if pool is None:
             pool = self._pool = HostPool(self.url, self._limit, self._connect_timeout, self._keepalive,
-                                         self._idle_timeout)
+                                         self._idle_timeout, shared=self._shared_limit)
         return await pool.request("POST", call.path, self.headers(call.headers), call.body, timeout)
 
     def close(self) -> None:

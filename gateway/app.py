@@ -163,11 +163,15 @@ def dashboard_secret(cfg: GatewayConfig) -> bytes:
     return value.encode() if value else secrets.token_bytes(32)
 
 
+PROBE_CONNECTIONS_PER_BACKEND = 8
+
+
 async def client_session(app: web.Application) -> AsyncIterator[None]:
-    """One pooled upstream session for all backends; TCP_NODELAY on, bounded connections."""
+    """The session of probes and load scrapes (requests go through each adapter's own pool)."""
     g: Gateway = app[GATEWAY]
     u = g.cfg.upstream
-    connector = aiohttp.TCPConnector(limit=u.pool_limit, limit_per_host=u.pool_limit_per_backend,
+    # Probes, load scrapes and warm-ups only: a few at a time per backend (client traffic has its own pools).
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=PROBE_CONNECTIONS_PER_BACKEND,
                                      keepalive_timeout=u.keepalive_s, ttl_dns_cache=300,
                                      family=socket.AF_UNSPEC)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -140,6 +141,8 @@ class Gateway:
                                             ttl_s=cfg.state.affinity_ttl_s, block_chars=cfg.shape.prefix_block_chars,
                                             shared=cfg.state.backend == "redis")
         self.pool = Pool([])
+        # [upstream] pool_limit: client requests in flight to all engines together (each holds a connection).
+        self.upstream_slots = asyncio.Semaphore(cfg.upstream.pool_limit)
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
@@ -175,7 +178,8 @@ class Gateway:
         adapter = backends.REGISTRY[bc.engine](
             id=bc.id, url=bc.url, session=self.session, api_key=api_key,
             connect_timeout=self.cfg.upstream.connect_timeout_s, idle_timeout=self.cfg.upstream.idle_timeout_s,
-            pool_limit=self.cfg.upstream.pool_limit_per_backend, keepalive_s=self.cfg.upstream.keepalive_s)
+            pool_limit=self.cfg.upstream.pool_limit_per_backend, keepalive_s=self.cfg.upstream.keepalive_s,
+            shared_limit=self.upstream_slots)
         return BackendState(bc, adapter, self.cfg)
 
     @property

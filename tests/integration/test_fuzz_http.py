@@ -391,7 +391,7 @@ async def _engine_example(script: Script, consume: str, requests: int) -> list:
                 outcomes.append(("error", exc))
             else:
                 raise AssertionError(f"an undocumented exception from HostPool: {exc!r}") from exc
-            assert pool.sem._value == LIMIT, "a connection slot was not given back"
+            assert pool.in_use == 0, "a connection slot was not given back"
     finally:
         pool.close()
         server.close()

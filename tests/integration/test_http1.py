@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
+import aiohttp
 import pytest
 
 from backends.http1 import HostPool
 from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
 from tests.fake_engine import FakeEngine, Knobs, free_port
+from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 
 
 async def raw_server(handler):
@@ -159,7 +162,7 @@ async def test_disconnect_mid_body_and_idle_timeout():
         with pytest.raises(TimeoutError):
             await chunks.__anext__()
         r.close()
-        assert p.sem._value == 8, "every slot given back"
+        assert p.in_use == 0, "every slot given back"
         for w in writers:
             w.close()
 
@@ -171,7 +174,7 @@ async def test_head_timeout_aborts_connection():
         with pytest.raises(TimeoutError):
             await p.request("POST", "/v1/chat/completions", {}, b'{"model":"m"}', 0.2)
         await asyncio.sleep(0.1)
-        assert e.knobs.aborted == 1 and not p.idle and p.sem._value == 8
+        assert e.knobs.aborted == 1 and not p.idle and p.in_use == 0
     finally:
         await e.stop()
 
@@ -192,7 +195,40 @@ async def test_a_header_field_with_a_line_end_is_never_written(name, value):
         p = pool(url)
         with pytest.raises(ValueError):
             await p.request("POST", "/x", {"Content-Type": "application/json", name: value}, b"{}", 2)
-        assert p.sem._value == 8
+        assert p.in_use == 0
         await asyncio.sleep(0.1)
         assert received in ([], [b""]), "nothing was written"
         p.close()
+
+
+async def test_pool_limit_bounds_requests_to_all_engines_together():
+    gate = asyncio.Event()
+    es = [await FakeEngine(Knobs(gate=gate)).start() for _ in range(2)]
+    cfg = gateway_config([{"id": f"e{i}", "engine": "vllm", "url": e.url, "models": ["m"]} for i, e in enumerate(es)],
+                         upstream={"pool_limit": 2}, routing={"policy": "round_robin"})
+    gw = await start_gateway(cfg)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                async with s.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {USER_KEY}"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                        "max_tokens": 2}) as r:
+                    return r.status
+            tasks = [asyncio.create_task(one()) for _ in range(4)]
+            held = lambda: sum(e.knobs.active for e in es)  # noqa: E731
+            deadline = time.monotonic() + 5
+            while held() < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            # Watch for a while: the other two wait for a slot instead of reaching an engine.
+            seen = 0
+            for _ in range(30):
+                seen = max(seen, held())
+                await asyncio.sleep(0.01)
+            gate.set()
+            assert await asyncio.gather(*tasks) == [200] * 4
+            assert seen == 2 and sum(len(e.knobs.seen) for e in es) == 4
+    finally:
+        await gw.stop()
+        for e in es:
+            await e.stop()
