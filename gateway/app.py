@@ -24,7 +24,7 @@ from gateway.experiment_share import ExperimentShare
 from gateway.experiment_share import share_loop as experiment_share_loop
 from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
-from gateway.pipeline import GATEWAY, Exchange, RequestState
+from gateway.request import GATEWAY, Exchange, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.runtime import Gateway, stats_report
 from gateway.state import shared_state
@@ -46,11 +46,11 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
     raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
     gets exactly one access-log line however it ends (and a refusal is counted there, as REJECTED)."""
     headers = ex.headers
-    st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next())
+    st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next(), ex, route)
     status = 500
     try:
         st.principal = g.auth.authenticate(headers)
-        resp = await pipeline.handle(g, ex, st, route)
+        resp = await pipeline.handle(g, st)
         status = resp.status
         return resp
     except GatewayError as err:

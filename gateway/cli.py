@@ -40,7 +40,7 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
     from gateway.app import build_app
     from gateway.front import start_serving
     from gateway.lifecycle import CUT_MARGIN_S, shutdown
-    from gateway.pipeline import GATEWAY
+    from gateway.request import GATEWAY
     from gateway.reload import RELOADER
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
@@ -50,7 +50,8 @@ class FrontConnection(asyncio.Protocol):
         self.front = front
         self.cfg = front.cfg  # the [server] settings, taken afresh for each request (a reload applies)
         self.loop = front.loop
-        self.transport: asyncio.Transport | None = None
+        # Set by connection_made, which the event loop calls before anything else.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.parser = httptools.HttpRequestParser(self)
         self.buf = bytearray()  # received bytes not yet parsed (a head: not yet complete)
         self.fed = 0  # bytes of an incomplete head already fed
@@ -175,7 +176,7 @@ class FrontConnection(asyncio.Protocol):
         """Feed buf[start:stop] to llhttp: how many bytes it took (fewer when an upgrade or a second request
         stopped it), or None when the request was malformed (then answered here, and the connection ends)."""
         whole = start == 0 and stop == len(self.buf)  # (the usual case: no view to make)
-        view = self.buf if whole else memoryview(self.buf)[start:stop]
+        view: bytearray | memoryview = self.buf if whole else memoryview(self.buf)[start:stop]
         error: httptools.HttpParserError | None = None
         taken = stop - start
         try:
@@ -186,7 +187,7 @@ class FrontConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             error = e
         finally:
-            if not whole:
+            if isinstance(view, memoryview):
                 view.release()  # before the buffer changes size
         if error is None:
             return taken
@@ -227,6 +228,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _read_body(self) -> bool:
         ex = self.ex
+        assert ex is not None  # the BODY phase begins with the exchange
         n = len(self.buf) if ex.chunked else min(self.body_left, len(self.buf))
         if self._feed(0, n) is None:
             return False
@@ -250,6 +252,7 @@ class FrontConnection(asyncio.Protocol):
 
     def _request_read(self) -> None:
         """The whole request is in: the reply may start, the body's reader wakes."""
+        assert self.ex is not None
         self.ex.complete = True
         self.phase = SERVING
         self.deadline = 0.0
@@ -413,7 +416,7 @@ class FrontConnection(asyncio.Protocol):
             self._refuse(refusal(408, "The request head did not arrive in time.", "request_timeout"))
         elif phase == BODY:
             err = refusal(408, "The request body did not arrive in time.", "request_timeout")
-            if self.body_waiter is not None and self.ex.error is None:
+            if self.body_waiter is not None and self.ex is not None and self.ex.error is None:
                 self.ex.error = err  # the request's own task answers 408 (and logs it), then the connection ends
                 self._wake_body()
                 self.phase = SERVING

@@ -131,7 +131,7 @@ def normalize_engine_error(status: int, raw: bytes) -> GatewayError:
     if not isinstance(message, str):
         message = orjson.dumps(message).decode()
     param = err.get("param") if isinstance(err.get("param"), str) else None
-    extra = {k: err[k] for k in ("n_prompt_tokens", "n_ctx") if k in err}
+    extra: dict[str, Any] = {k: err[k] for k in ("n_prompt_tokens", "n_ctx") if k in err}
     code = _string_code(status, err)
     if code == "context_length_exceeded" and param in (None, "input_tokens"):
         param = "messages"

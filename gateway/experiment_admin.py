@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gateway.errors import GatewayError, bad_request
 from gateway.experiments import check_change, report
-from gateway.pipeline import GATEWAY
+from gateway.request import GATEWAY
 
 EXPERIMENT_SHARE: web.AppKey = web.AppKey("experiment_share")
 CHANGES = ("weights", "enabled", "fraction")

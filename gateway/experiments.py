@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from gateway.config import ExperimentConfig
-from gateway.contracts import ENGINE_ERROR, OK, Decision, Outcome, RouteInput
+from gateway.contracts import ENGINE_ERROR, OK, Decision, Outcome, Policy, RequestShape, RouteInput
 from gateway.errors import GatewayError, bad_request
 from gateway.verdict import METRICS, Reservoir, compare, describe, summary
+
+if TYPE_CHECKING:
+    from gateway.pool import BackendState
+    from gateway.request import RequestState
 
 ALL = "all"  # the class every request also counts in: a verdict comes sooner on the whole traffic
 PRIMARY = "primary"  # a shadow experiment's control: the model served as usual
@@ -353,13 +357,13 @@ def _renewed(old: Experiment, cfg: ExperimentConfig) -> Experiment:
     return x
 
 
-def enter(xs: Experiments, st, shape, body: Mapping[str, Any], headers: Mapping[str, str],
-          candidates: list) -> tuple[list, Arm | None]:
+def enter(xs: Experiments, st: RequestState, shape: RequestShape, body: Mapping[str, Any],
+          headers: Mapping[str, str], candidates: list[BackendState]) -> tuple[list[BackendState], Arm | None]:
     """A request of a model under experiment: its candidates (shadow arms never serve), the split arm it is
     assigned to (None: routed as usual) and, on `st`, the experiments it takes part in."""
     model = shape.model
     pin = headers.get(ARM_HEADER)
-    if pin is not None and not st.principal.admin:
+    if pin is not None and not (st.principal is not None and st.principal.admin):
         raise GatewayError(403, f"Pinning an experiment arm ({ARM_HEADER}) needs an admin key.",
                            type="permission_error", param=ARM_HEADER, code="permission_denied")
     arm = None
@@ -382,7 +386,7 @@ def _pinned(x: Experiment, pin: str | None) -> Arm | None:
     return x.arm(pin) if pin is not None else None
 
 
-def rank_arm_first(policy, inp: RouteInput, arm: Arm) -> Decision:
+def rank_arm_first(policy: Policy, inp: RouteInput, arm: Arm) -> Decision:
     """The policy's order inside the arm, then (for failover only) its order among the other candidates."""
     inside = tuple(v for v in inp.candidates if v.id in arm.backends)
     outside = tuple(v for v in inp.candidates if v.id not in arm.backends)

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.connection import API_ROUTES, IDLE, LINGER, FrontConnection
 from gateway.inner import InnerRoutes
-from gateway.pipeline import GATEWAY
+from gateway.request import GATEWAY
 
 __all__ = ["API_ROUTES", "Front", "FrontConnection", "start_serving"]
 
@@ -46,7 +46,7 @@ class Front:
         self._lingering: dict[FrontConnection, None] = {}
         self.max_connections = connection_limit(self.cfg.max_connections)
         self.closing = False
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._date = ("", -1)
 
@@ -62,6 +62,7 @@ class Front:
 
     @property
     def port(self) -> int:
+        assert self._server is not None, "the front is not started"
         return self._server.sockets[0].getsockname()[1]
 
     def date(self) -> str:

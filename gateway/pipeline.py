@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterator
 
 import orjson
-from aiohttp import web
 
 from gateway import experiments, shadow
 from gateway.admission import admit
 from gateway.context import fitting
-from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATHS, Outcome, ReplyTooLarge,
-                               RequestShape, RouteInput, UpstreamCall)
+from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATHS, BackendView, Decision, Outcome,
+                               ReplyTooLarge, RequestShape, RouteInput, UpstreamCall, UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
                               hung_hold)
 from gateway.headers import trace_headers
 from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
+from gateway.request import RequestState
 from gateway.shape import classify, session_of
 
-GATEWAY: web.AppKey = web.AppKey("gateway")
+if TYPE_CHECKING:  # the runtime imports this module's callers, never this module: no cycle at run time
+    from gateway.pool import BackendState
+    from gateway.runtime import Gateway
+
 REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
 
@@ -50,51 +53,17 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
     return body
 
 
-class RequestState:
-    """What one client request gathers on its way: who sent it, its shape, where it went, how it ended."""
-
-    __slots__ = ("request_id", "principal", "shape", "backend", "reason", "outcome", "split", "shadow", "tap")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.principal = None
-        self.shape: RequestShape | None = None
-        self.backend = ""
-        self.reason = ""
-        self.outcome: Outcome | None = None  # the last attempt's
-        self.split = None  # the split experiment (gateway/experiments.py) whose arms serve this request
-        self.shadow = None  # (shadow experiment, arm) a copy may go to
-        self.tap = None  # where the reply goes when a copy went out (gateway/shadow.py)
-
-
-class Exchange(Protocol):
-    """One client request as the server that received it hands it over, and the way back to the client.
-
-    The gateway's HTTP/1.1 front implements it (gateway/exchange.py); the pipeline needs nothing more of a
-    server, so a test or another server can drive it the same way. Header names are looked up in lower case.
-    """
-
-    headers: Mapping[str, str]
-
-    async def read(self) -> bytes:
-        """The whole body; raises a GatewayError (413, 408) when it is too large or too slow to come."""
-
-    def reply(self, status: int, headers: dict[str, str], body: bytes) -> Any:
-        """A whole response; the returned object (with .status) is the handler's result."""
-
-    async def open_stream(self, headers: dict[str, str]) -> Any:
-        """Start a 200 event stream: the returned sink has write(data) and write_eof(data) and .status."""
-
-
-async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
+async def handle(g: Gateway, st: RequestState) -> Any:
     """The request path, one call per stage."""
-    t_in = time.perf_counter()
-    principal = st.principal.id
-    raw = await ex.read()
-    body = parse_body(raw, route)
+    st.t_in = time.perf_counter()
+    ex = st.ex
+    st.raw = raw = await ex.read()
+    st.body = body = parse_body(raw, st.route)
     headers = ex.headers
     sid = session_of(body, headers)
-    st.shape = shape = classify(route=route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
+    assert st.principal is not None  # the API key is checked before the pipeline runs
+    principal = st.principal.id
+    st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
     if not g.pool.serves(shape.model):
@@ -119,13 +88,14 @@ async def handle(g, ex: Exchange, st: RequestState, route: str) -> Any:
     st.reason = decision.reason
     if st.shadow is not None:
         st.tap = shadow.launch(g, *st.shadow, st, shape, body, raw)  # starts once this request has gone out
-    return await dispatch(ex, st, g, shape, body, raw, decision, t_in)
+    return await dispatch(g, st, shape, decision)
 
 
-async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body, raw, decision, t_in: float) -> Any:
+async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: Decision) -> Any:
     """Try the ranked backends in turn; a failure before the first byte moves on, after it never does."""
     cfg = g.cfg
-    headers = ex.headers
+    body, raw = st.body, st.raw
+    headers = st.ex.headers
     fwd = trace_headers(headers)  # only a valid trace context goes on; the request id was checked on arrival
     fwd["x-request-id"] = st.request_id
     deadline = time.monotonic() + cfg.routing.retry_deadline_s
@@ -158,10 +128,10 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
             raise bad_request("The request body is nested too deeply to be passed on.", code="invalid_json") from None
         call = UpstreamCall(PATHS[shape.route], upstream_body, fwd, shape.stream)
         st.backend = b.id
-        if failed:
+        if failed and last_error is not None:
             st.reason = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
         try:
-            resp = await attempt(ex, st, g, b, shape, body, call, t_in, first_byte_s)
+            resp = await attempt(g, st, shape, b, call, first_byte_s)
         except Retryable as r:
             last_error = r.error
             failed = [b.id] if failed is None else [*failed, b.id]
@@ -189,7 +159,7 @@ async def dispatch(ex: Exchange, st: RequestState, g, shape: RequestShape, body,
     raise no_backend(shape.model, g.pool.retry_hint(shape.model, time.monotonic()))
 
 
-def _usable_after(g, ranked, i: int):
+def _usable_after(g: Gateway, ranked: tuple[BackendView, ...], i: int) -> Iterator[BackendState]:
     """The candidates ranked after the i-th that could take the request now."""
     now = time.monotonic()
     for v in ranked[i + 1:]:
@@ -198,18 +168,20 @@ def _usable_after(g, ranked, i: int):
             yield b
 
 
-def _larger(g, shape: RequestShape, ranked, i: int, window: int) -> bool:
+def _larger(g: Gateway, shape: RequestShape, ranked: tuple[BackendView, ...], i: int, window: int) -> bool:
     """Whether a later candidate has a larger (or unknown) context window than `window`."""
     return any((b.window(shape.model) or window + 1) > window for b in _usable_after(g, ranked, i))
 
 
-def _another_usable(g, ranked, i: int) -> bool:
+def _another_usable(g: Gateway, ranked: tuple[BackendView, ...], i: int) -> bool:
     return next(_usable_after(g, ranked, i), None) is not None
 
 
-async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, body, call: UpstreamCall,
-                  t_in: float, first_byte_s: float) -> Any:
+async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendState, call: UpstreamCall,
+                  first_byte_s: float) -> Any:
+    """One try on one backend: send, then relay the reply; the outcome is recorded however it ends."""
     cfg = g.cfg
+    ex = st.ex
     loop_now = time.monotonic
     b.in_flight += 1
     running_at_start = b.in_flight - 1
@@ -238,7 +210,7 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
         rename = ModelRewrite(shape.model)
         if shape.stream:
             meter = StreamMeter()
-            resp = await stream_reply(ex, st, g, b, reply, meter, rename, body, started, first_by)
+            resp = await stream_reply(g, st, b, reply, meter, rename, started, first_by)
             usage = meter.usage
             outcome_ok = meter.error is None
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
@@ -291,12 +263,13 @@ async def attempt(ex: Exchange, st: RequestState, g, b, shape: RequestShape, bod
             completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
             cached_tokens=_cached(usage), running_at_start=running_at_start,
             result=OK if outcome_ok else CLIENT_ERROR if engine_ok else CLIENT_LEFT if left else ENGINE_ERROR)
-        g.record(b, shape, o, t_in, t0, st.split)
+        g.record(b, shape, o, st.t_in, t0, st.split)
 
 
-async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: StreamMeter, rename: ModelRewrite, body,
-                       started: float, first_by: float) -> Any:
+async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: UpstreamReply, meter: StreamMeter,
+                       rename: ModelRewrite, started: float, first_by: float) -> Any:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
+    ex = st.ex
     chunks = reply.iter_chunks().__aiter__()
     try:
         async with asyncio.timeout_at(first_by):  # one deadline from sending the request to the first byte
@@ -326,13 +299,14 @@ async def stream_reply(ex: Exchange, st: RequestState, g, b, reply, meter: Strea
             b.breaker.on_failure(time.monotonic())
             raise Retryable(err)
         raise err
-    opts = body.get("stream_options")
+    opts = st.body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).
     resp = await ex.open_stream(g.reply_headers(st, reply.headers))
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
                      max_event=g.cfg.upstream.max_event_bytes)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
+    assert task is not None  # always within one
     g.streams.add(task)
     tap = st.tap
     if tap is not None:

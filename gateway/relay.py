@@ -226,7 +226,7 @@ def usage_of(data: bytes) -> dict | None:
     i = data.rfind(b'"usage"')
     if i < 0:
         return None
-    found = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
+    found: dict[str, Any] = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
     if not found:
         return None
     if "cached_tokens" in found:

@@ -13,7 +13,7 @@ from gateway.auth import Authenticator
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_config
 from gateway.errors import GatewayError
 from gateway.experiments import Experiments
-from gateway.pipeline import GATEWAY
+from gateway.request import GATEWAY
 from gateway.runtime import build_policy, build_routing
 
 log = logging.getLogger("shapegate.reload")

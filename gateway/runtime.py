@@ -17,13 +17,13 @@ import orjson
 import backends
 import policies
 from gateway.auth import Authenticator
-from gateway.config import GatewayConfig
+from gateway.config import BackendConfig, GatewayConfig
 from gateway.context import PromptSizer
 from gateway.experiments import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
 from gateway.headers import safe_value
 from gateway.metrics import Metrics
-from gateway.pipeline import RequestState
+from gateway.request import RequestState
 from gateway.pool import BackendState, Pool
 from gateway.state import AffinityIndex
 from gateway.stats import OutputEstimator, Tally
@@ -173,7 +173,8 @@ class Gateway:
         for bc in self.cfg.backends:
             self.pool.add(self.make_backend(bc))
 
-    def make_backend(self, bc) -> BackendState:
+    def make_backend(self, bc: BackendConfig) -> BackendState:
+        assert self.session is not None, "backends are made once the client session exists (attach)"
         api_key = os.environ.get(bc.api_key_env) if bc.api_key_env else None
         adapter = backends.REGISTRY[bc.engine](
             id=bc.id, url=bc.url, session=self.session, api_key=api_key,
@@ -271,9 +272,9 @@ class Gateway:
                 "model": None, "class": None, "backend": st.backend or None, "reason": st.reason or None,
                 "status": status, "outcome": result, "stream": None, "ttft_ms": None, "itl_ms": None,
                 "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None, "experiment": None, "arm": None}
-        if st.split is not None or st.shadow is not None:
-            line["experiment"] = (st.split or st.shadow[0]).name
-            line["arm"] = arm_of(st)
+        x = st.split or (st.shadow[0] if st.shadow is not None else None)
+        if x is not None:
+            line["experiment"], line["arm"] = x.name, arm_of(st)
         if shape is not None:
             line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
         if o is not None:

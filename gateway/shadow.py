@@ -6,14 +6,20 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.config import GatewayConfig
 from gateway.contracts import (CLIENT_ERROR, ENGINE_ERROR, OK, PATHS, Outcome, RequestShape, RouteInput,
                                UpstreamCall)
 from gateway.experiments import PRIMARY, Arm, Experiment
 from gateway.relay import usage_of
+from gateway.request import RequestState
+
+if TYPE_CHECKING:
+    from gateway.pool import BackendState
+    from gateway.runtime import Gateway
 
 log = logging.getLogger("shapegate.shadow")
 MAX_TAP_BYTES = 1 << 20  # the primary's reply kept for comparing outputs; a longer one is not compared
@@ -46,7 +52,8 @@ def deterministic(body: dict[str, Any]) -> bool:
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0 and n in (None, 1)
 
 
-def launch(g, x: Experiment, arm: Arm, st, shape: RequestShape, body: dict, raw: bytes) -> Tap | None:
+def launch(g: Gateway, x: Experiment, arm: Arm, st: RequestState, shape: RequestShape, body: dict,
+           raw: bytes) -> Tap | None:
     """Send a copy of this request to `arm` when the experiment samples it and the arm has room; never waits.
 
     Returns the tap the primary's reply goes into (for the comparison and the primary's figures), or None
@@ -79,7 +86,8 @@ def launch(g, x: Experiment, arm: Arm, st, shape: RequestShape, body: dict, raw:
     return tap
 
 
-def _skip(g, x: Experiment, arm: Arm, why: str) -> None:
+def _skip(g: Gateway, x: Experiment, arm: Arm, why: str) -> Tap | None:
+    """No copy: counted with the reason."""
     x.count_shadow(arm.name, why)
     g.metrics.shadow(x.name, arm.name, why)
     return None
@@ -91,7 +99,8 @@ def _saturated(b, now: float) -> bool:
     return load is not None and load.waiting > 0
 
 
-async def _copy(g, x: Experiment, arm: Arm, b, st, shape: RequestShape, body: dict, raw: bytes, tap: Tap) -> None:
+async def _copy(g: Gateway, x: Experiment, arm: Arm, b: BackendState, st: RequestState, shape: RequestShape,
+                body: dict, raw: bytes, tap: Tap) -> None:
     cfg = g.cfg
     fwd = {"x-request-id": f"{st.request_id}.shadow", "x-shapegate-shadow": x.name}
     o = None
@@ -128,7 +137,8 @@ async def _copy(g, x: Experiment, arm: Arm, b, st, shape: RequestShape, body: di
         g.metrics.agreement(x.name, arm.name, p_text == text)
 
 
-async def _measure(b, call: UpstreamCall, shape: RequestShape, cfg) -> tuple[Outcome, str, list[str] | None]:
+async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
+                   cfg: GatewayConfig) -> tuple[Outcome, str, list[str] | None]:
     """One timed call: the candidate's TTFT, ITL and e2e as the gateway measures a served request's."""
     t0 = time.perf_counter()
     reply = await b.adapter.forward(call, cfg.upstream.first_byte_timeout_s)

@@ -12,7 +12,7 @@ from gateway.app import build_app
 from gateway.auth import hash_key
 from gateway.config import parse_config
 from gateway.front import Front, start_serving
-from gateway.pipeline import GATEWAY
+from gateway.request import GATEWAY
 from gateway.runtime import build_policy
 
 USER_KEY = "sk-test-user-key"
