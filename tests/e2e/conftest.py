@@ -13,8 +13,16 @@ import pytest_asyncio
 from tests.e2e import vllm_env
 from tests.e2e.build_llama import ensure_llama_server, have_llama_server
 from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server
-from tests.e2e.targets import TARGETS, Boot, Target, engine_of, open_target, watch_startup
+from tests.e2e.targets import (
+    TARGETS,
+    Boot,
+    Target,
+    engine_of,
+    open_target,
+    watch_startup,
+)
 from tests.e2e.tiny_models import ensure_gguf_model, ensure_hf_model
+from tests.needs import in_ci
 
 E2E_DIR = Path(__file__).parent
 ENGINE_FIXTURES = {"llamacpp": "llama_server", "vllm": "vllm_server"}
@@ -57,6 +65,10 @@ def _engines_of(item: pytest.Item) -> set[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if in_ci() and any(_in_e2e(item) for item in items) and not (e2e_enabled() and vllm_enabled()):
+        # CI runs every real-engine test: one switched off there would leave it green with half of them gone.
+        raise pytest.UsageError("CI is set but the real-engine suites are switched off "
+                                "(SHAPEGATE_E2E=0 or SHAPEGATE_E2E_VLLM=0)")
     for item in items:
         if not _in_e2e(item):
             continue

@@ -11,6 +11,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.sim.runner import SimOptions, start_sim
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+from tests.needs import skip_or_fail
 
 MODEL = "m"
 
@@ -109,7 +110,7 @@ async def test_replicas_share_affinity_through_redis(sims, http):
     try:
         await client.ping()
     except (OSError, redis_asyncio.RedisError):
-        pytest.skip("no redis-server on 127.0.0.1:6379 (CI starts one)")
+        skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
     prefix = f"shapegate-test:{secrets.token_hex(6)}:"
     state = {"backend": "redis", "key_prefix": prefix, "flush_interval_s": 0.05}
     cfg = gateway_config(backends(sims), routing={"policy": "prefix_affinity"}, state=state)

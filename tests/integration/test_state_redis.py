@@ -11,6 +11,7 @@ import redis.asyncio as redis_asyncio
 from gateway.config import ShapeConfig
 from gateway.shape import classify
 from gateway.state import AffinityIndex, MemoryStore, RedisStore, StoreError
+from tests.needs import skip_or_fail
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CFG = ShapeConfig()
@@ -34,7 +35,7 @@ async def store(request):
         await s.close()
         return
     if not await _redis_up():
-        pytest.skip("no redis-server on 127.0.0.1:6379 (CI starts one)")
+        skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
     prefix = f"shapegate-test:{secrets.token_hex(6)}:"  # unique per test, removed afterwards
     s = RedisStore.from_url(REDIS_URL, prefix, ttl_s=60.0, timeout_s=1.0, max_entries=1000)
     yield s
@@ -89,7 +90,7 @@ async def test_two_replicas_share_affinity(store):
 
 async def test_redis_stream_is_trimmed_by_count():
     if not await _redis_up():
-        pytest.skip("no redis-server on 127.0.0.1:6379 (CI starts one)")
+        skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
     prefix = f"shapegate-test:{secrets.token_hex(6)}:"
     s = RedisStore.from_url(REDIS_URL, prefix, ttl_s=60.0, timeout_s=1.0, max_entries=10)
     client = redis_asyncio.Redis.from_url(REDIS_URL)
