@@ -82,6 +82,8 @@ class OpenAIHTTPBackend:
     metrics_path: ClassVar[str | None] = None
     # Common load field -> the engine's metric names, newest first.
     metric_names: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    # Its deep health probe runs a generation: probed less often and given longer ([health] sglang_* settings).
+    deep_probe_generates: ClassVar[bool] = False
     # Engines that ignore max_completion_tokens get it as max_tokens.
     needs_max_tokens: ClassVar[bool] = False
 

@@ -14,6 +14,7 @@ class SGLangBackend(OpenAIHTTPBackend):
     engine = "sglang"
     health_path = "/health"
     liveness_path = "/ping"  # always 200 once the server is up, even while starting: liveness, not readiness
+    deep_probe_generates = True  # /health runs a one-token generation
     metrics_path = "/metrics"
     loads_path = "/v1/loads"
     legacy_load_path = "/get_load"

@@ -178,7 +178,7 @@ async def watch(pool, b, health_cfg: Callable[[], HealthConfig], on_change=None)
             now = time.monotonic()
             # SGLang's /health runs a generation: between deep probes a ready SGLang only gets a liveness check.
             deep = b.adapter.liveness_path is None or b.health.state != READY or now >= next_deep
-            slow = b.adapter.engine == "sglang" and deep
+            slow = b.adapter.deep_probe_generates and deep
             r = await b.adapter.probe(cfg.sglang_timeout_s if slow else cfg.timeout_s, deep=deep)
             if deep:
                 next_deep = time.monotonic() + (cfg.sglang_interval_s if slow else cfg.interval_s)
