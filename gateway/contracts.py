@@ -51,7 +51,7 @@ class LatencyEstimate:
     ttft_per_running: float = 0.0  # extra TTFT per request already running on the engine
     service_s: float = 0.0  # mean time a request occupies the engine (turns a queue length into a wait)
 
-    def ttft(self, prompt_tokens: int, wait: float = 0.0, running: float = 0.0) -> float:
+    def ttft(self, prompt_tokens: float, wait: float = 0.0, running: float = 0.0) -> float:
         return wait + self.ttft_t0 + prompt_tokens / self.prefill_rate + self.ttft_per_running * running
 
     def itl(self, running: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import orjson
@@ -69,9 +70,18 @@ def model_not_found(model: str) -> GatewayError:
     return GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
-def no_backend(model: str, retry_after: int = 1) -> GatewayError:
+# The openai client gives up on retrying altogether when Retry-After is longer than this.
+MAX_RETRY_AFTER_S = 120.0
+
+
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds, at least 1 and at most 120, so that every OpenAI client honours it."""
+    return str(int(min(max(math.ceil(seconds), 1), MAX_RETRY_AFTER_S)))
+
+
+def no_backend(model: str, retry_after: float = 1.0) -> GatewayError:
     return GatewayError(503, f"No backend can take a request for `{model}` right now; retry shortly.",
-                        code="no_backend_available", headers={"Retry-After": str(retry_after)})
+                        code="no_backend_available", headers={"Retry-After": retry_after_header(retry_after)})
 
 
 def overloaded(model: str, status: int, retry_after: int) -> GatewayError:

@@ -11,10 +11,8 @@ import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.contracts import UpstreamConnectError, UpstreamError
-from gateway.errors import GatewayError, upstream_failed, upstream_timeout
+from gateway.errors import MAX_RETRY_AFTER_S, GatewayError, retry_after_header, upstream_failed, upstream_timeout
 
-# The openai client gives up on retrying altogether when Retry-After is longer than this.
-MAX_RETRY_AFTER_S = 120.0
 # Nothing listens: the process is down or not up yet. The breaker opens at once.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)
 # Anything else that goes wrong on the wire to an engine: resets, closes, timeouts.
@@ -50,11 +48,6 @@ def retry_after_s(headers: Mapping[str, str], default: float, now: float | None 
     if not math.isfinite(s):
         return default
     return min(max(s, 0.0), MAX_RETRY_AFTER_S)
-
-
-def retry_after_header(seconds: float) -> str:
-    """Whole seconds, at least 1 and at most 120, so that every OpenAI client honours it."""
-    return str(int(min(max(math.ceil(seconds), 1), MAX_RETRY_AFTER_S)))
 
 
 def hung_hold(b, started: float, open_s: float) -> float | None:

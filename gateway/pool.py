@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Iterable
 
@@ -163,11 +162,11 @@ class Pool:
         windows = [b.window(model) for b in self._by_model.get(model, ())]
         return None if not windows or None in windows else max(windows)
 
-    def retry_hint(self, model: str, now: float) -> int:
-        """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening."""
+    def retry_hint(self, model: str, now: float) -> float:
+        """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening (the
+        Retry-After header rounds and bounds it: gateway.errors.retry_after_header)."""
         waits = [b.breaker.reopens_in(now) for b in self._by_model.get(model, ()) if b.health.state == READY]
-        soonest = min((w for w in waits if w > 0), default=1.0)
-        return int(min(max(math.ceil(soonest), 1), 120))
+        return min((w for w in waits if w > 0), default=1.0)
 
     def is_ready(self) -> bool:
         now = time.monotonic()

@@ -37,40 +37,37 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
-    """The prompt as one canonical string, and how many messages it had (template overhead)."""
+def prompt_parts(route: str, body: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The prompt as pieces in order (joined, the canonical prompt text that is sized and hashed) and how many
+    messages it had (template overhead). The pieces are the body's own strings: nothing is copied."""
     if route == "chat":
-        messages = body.get("messages") or ()
-        parts = []
-        for m in messages:
-            if isinstance(m, dict):
-                parts.append(f"<{_role_text(m.get('role', ''))}>{_content_text(m.get('content'))}")
+        parts: list[str] = []
         tools = body.get("tools")
+        n = 0
         if tools:  # templates render tool definitions into the system prefix
-            parts.insert(0, f"<tools>{_json_text(tools, 'tools')}")
-        return "".join(parts), len(parts)
+            parts += ("<tools>", _json_text(tools, "tools"))
+            n += 1
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                parts += ("<", _role_text(m.get("role", "")), ">", _content_text(m.get("content")))
+                n += 1
+        return parts, n
     prompt = body.get("prompt") if route == "completions" else body.get("input")
     if isinstance(prompt, list):
-        return "".join(p for p in prompt if isinstance(p, str)), 0
-    return (prompt if isinstance(prompt, str) else ""), 0
+        return [p for p in prompt if isinstance(p, str)], 0
+    return [prompt if isinstance(prompt, str) else ""], 0
+
+
+def prompt_text(route: str, body: Mapping[str, Any]) -> tuple[str, int]:
+    """The prompt as one canonical string, and how many messages it had."""
+    parts, n = prompt_parts(route, body)
+    return "".join(parts), n
 
 
 def prompt_size(route: str, body: Mapping[str, Any]) -> tuple[int, int]:
     """len() of prompt_text's string and its message count, without building the string."""
-    if route != "chat":
-        text, _ = prompt_text(route, body)
-        return len(text), 0
-    n = chars = 0
-    for m in body.get("messages") or ():
-        if isinstance(m, dict):
-            role, content = m.get("role", ""), m.get("content")
-            chars += len(_role_text(role)) + 2 + len(content if isinstance(content, str) else _content_text(content))
-            n += 1
-    tools = body.get("tools")
-    if tools:
-        chars += len(f"<tools>{_json_text(tools, 'tools')}")
-        n += 1
-    return chars, n
+    parts, n = prompt_parts(route, body)
+    return sum(map(len, parts)), n
 
 
 def prefix_hashes(model: str, salt: str, text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:

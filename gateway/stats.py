@@ -208,8 +208,7 @@ class LatencyModel:
     def _predicted_e2e(self, uncached: float, running: float, steps: float, streams: float) -> float:
         """What the current fit predicts for a reply: the scale of that reply's equation (never below 1 ms)."""
         est = self.estimate()
-        itl = est.itl_a + est.itl_b * (streams - 1.0)
-        e2e = est.ttft_t0 + uncached / est.prefill_rate + est.ttft_per_running * running + steps * itl
+        e2e = est.ttft(uncached, running=running) + steps * est.itl(streams)
         return e2e if e2e > 0.001 else 0.001
 
     def estimate(self) -> LatencyEstimate:

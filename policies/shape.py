@@ -106,10 +106,9 @@ class Shape:
                 running = max(min(running, engine_running), 1.0)
             elif load.kv_usage is not None and load.kv_usage >= self.p.kv_high:
                 wait = self.service(b, engine_running) / max(engine_running, 1.0)
-        prefill = uncached / est.prefill_rate
-        ttft = wait + est.ttft_t0 + prefill + est.ttft_per_running * running
-        itl = est.itl_a + est.itl_b * running
-        herd = running * (prefill + est.itl_b * n_out)
+        ttft = est.ttft(uncached, wait, running)
+        itl = est.itl(running + 1.0)  # with this request among the streams
+        herd = running * (uncached / est.prefill_rate + est.itl_b * n_out)
         return wait, ttft, itl, herd
 
     def service(self, b: BackendView, running: float) -> float:
@@ -119,7 +118,7 @@ class Shape:
         if sizes is None:
             return est.service_s
         n_in, n_out = sizes
-        return est.ttft_t0 + n_in / est.prefill_rate + n_out * (est.itl_a + est.itl_b * max(running - 1.0, 0.0))
+        return est.ttft(n_in) + n_out * est.itl(running)
 
     def rank(self, inp: RouteInput) -> Decision:
         p = self.p
