@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 
 import aiohttp
 import orjson
@@ -58,7 +59,13 @@ async def test_one_line_per_request_with_its_outcome(tmp_path):
                 await r.content.readline()  # the stream has started; then the client hangs up
             async with s.get(url + "/metrics") as r:  # not a model request: no line
                 assert r.status == 200
-            await asyncio.sleep(0.5)  # the gateway notices the hang-up
+            deadline = time.monotonic() + 5
+            while True:  # until the gateway noticed the hang-up (its metrics count the request as client_left)
+                async with s.get(url + "/metrics") as r:
+                    if b'outcome="client_left"' in await r.read():
+                        break
+                assert time.monotonic() < deadline, "the hang-up was never noticed"
+                await asyncio.sleep(0.02)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0

@@ -118,7 +118,10 @@ async def test_replicas_share_affinity_through_redis(sims, http):
     try:
         system = "Shared agent instructions. " * 80
         served, _ = await chat(http, a, system + "from replica a", stream=False)
-        await asyncio.sleep(0.3)  # a flushes, b pulls
+        deadline = asyncio.get_running_loop().time() + 5
+        while not len(b.state.affinity_index):  # a flushes its new prefix to Redis, b pulls it
+            assert asyncio.get_running_loop().time() < deadline, "replica b never saw replica a's prefix"
+            await asyncio.sleep(0.01)
         for i in range(3):
             backend, reason = await chat(http, b, system + f"from replica b {i}", stream=False)
             assert (backend, reason.split(" ")[0]) == (served, "prefix_affinity:prefix")

@@ -4,7 +4,7 @@ import asyncio
 
 import aiohttp
 
-from tests.sim.support import chat_body, content_of, read_sse, sample, scrape
+from tests.sim.support import chat_body, content_of, read_sse, sample, scrape, until
 
 
 async def test_64_concurrent_streams_complete(sim, http):
@@ -30,10 +30,12 @@ async def test_max_running_makes_requests_wait(sim, http):
     body = chat_body(max_tokens=80, ignore_eos=True)
     tasks = [asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body))
              for _ in range(4)]
-    await asyncio.sleep(0.15)
-    fam = await scrape(http, server.url)
-    assert sample(fam, "vllm:num_requests_running", model_name="sim-model") == 2
-    assert sample(fam, "vllm:num_requests_waiting", model_name="sim-model") == 2
+    async def two_run_two_wait() -> bool:
+        fam = await scrape(http, server.url)
+        return (sample(fam, "vllm:num_requests_running", model_name="sim-model"),
+                sample(fam, "vllm:num_requests_waiting", model_name="sim-model")) == (2, 2)
+
+    await until(two_run_two_wait)  # never more than two running, the others queued
     for task in tasks:
         resp = await task
         assert resp.status == 200

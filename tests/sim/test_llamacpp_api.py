@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from tests.sim.support import chat_body, read_sse, sample, scrape
+from tests.sim.support import chat_body, read_sse, sample, scrape, until
 
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 
@@ -44,7 +44,11 @@ async def test_fail_on_no_slot_and_deferred_requests(sim, http):
     body = chat_body(max_tokens=60, ignore_eos=True)
     tasks = [asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=body))
              for _ in range(2)]
-    await asyncio.sleep(0.15)
+    async def no_slot() -> bool:
+        async with http.get(server.url + "/slots?fail_on_no_slot=1") as resp:
+            return resp.status == 503
+
+    await until(no_slot)  # once the first request holds the only slot
     async with http.get(server.url + "/slots?fail_on_no_slot=1") as resp:
         assert resp.status == 503
         err = (await resp.json())["error"]

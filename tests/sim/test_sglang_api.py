@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from gateway.sim.tokens import EOS_ID
-from tests.sim.support import chat_body, read_sse, sample, scrape
+from tests.sim.support import chat_body, read_sse, sample, scrape, until
 
 
 async def test_starting_window_health_503_ping_200_then_ready(sim, http):
@@ -118,7 +118,11 @@ async def test_loads_and_get_load_while_busy(sim, http):
     server = await sim("sglang", profile="mi350x-sglang")
     task = asyncio.create_task(http.post(server.url + "/v1/chat/completions",
                                          json=chat_body(max_tokens=200, ignore_eos=True)))
-    await asyncio.sleep(0.15)
+    async def running() -> bool:
+        async with http.get(server.url + "/v1/loads") as resp:
+            return (await resp.json())["loads"][0]["num_running_reqs"] == 1
+
+    await until(running)
     async with http.get(server.url + "/v1/loads") as resp:
         loads = (await resp.json())["loads"]
     (rank,) = loads

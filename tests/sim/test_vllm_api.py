@@ -5,7 +5,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.sim.support import chat_body, content_of, read_sse, sample, scrape
+from tests.sim.support import chat_body, content_of, read_sse, sample, scrape, until
 
 
 async def test_health_ping_version_and_load(sim, http):
@@ -195,9 +195,11 @@ async def test_load_counts_in_flight_requests(sim, http):
     server = await sim("vllm", profile="mi350x-vllm")
     task = asyncio.create_task(http.post(server.url + "/v1/chat/completions",
                                          json=chat_body(max_tokens=100)))
-    await asyncio.sleep(0.1)
-    async with http.get(server.url + "/load") as resp:
-        assert (await resp.json())["server_load"] == 1
+    async def loaded() -> bool:
+        async with http.get(server.url + "/load") as resp:
+            return (await resp.json())["server_load"] == 1
+
+    await until(loaded)
     (await task).release()
 
 
