@@ -5,13 +5,16 @@ from __future__ import annotations
 import email.utils
 import math
 import time
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.contracts import UpstreamConnectError, UpstreamError
 from gateway.errors import MAX_RETRY_AFTER_S, GatewayError, retry_after_header, upstream_failed, upstream_timeout
+
+if TYPE_CHECKING:
+    from gateway.pool import BackendState
 
 # Nothing listens: the process is down or not up yet. The breaker opens at once.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)
@@ -50,7 +53,7 @@ def retry_after_s(headers: Mapping[str, str], default: float, now: float | None 
     return min(max(s, 0.0), MAX_RETRY_AFTER_S)
 
 
-def hung_hold(b, started: float, open_s: float) -> float | None:
+def hung_hold(b: BackendState, started: float, open_s: float) -> float | None:
     """A first-byte timeout on an engine where no request sent since this one has produced anything.
 
     `b.last_output` is the start time of the latest-started request that got a first byte. Older
@@ -61,7 +64,32 @@ def hung_hold(b, started: float, open_s: float) -> float | None:
     return open_s if b.last_output < started else None
 
 
-def charge_send_error(b, e: BaseException, started: float, health: HealthConfig) -> Retryable:
+# -- every verdict on an engine's breaker is given here ---------------------------------------------------
+def begin(b: BackendState, started: float) -> None:
+    """An attempt starts: a half-open breaker lets this one through as its trial."""
+    b.breaker.on_attempt(started)
+
+
+def charge(b: BackendState) -> None:
+    """The engine failed this request (broke, stalled, sent something it must not): one failure."""
+    b.breaker.on_failure(time.monotonic())
+
+
+def charge_timeout(b: BackendState, started: float, health: HealthConfig) -> None:
+    """No first byte in time: an engine that answered nothing sent since is stuck, and its breaker opens at once."""
+    b.breaker.on_failure(time.monotonic(), hold_s=hung_hold(b, started, health.breaker_open_s))
+
+
+def settle(b: BackendState, started: float, answered: bool) -> None:
+    """The attempt is over. Answered properly (even with the request's own fault): a success. Otherwise no
+    verdict (the client left, a 500 still under judgement): a half-open trial is freed for another."""
+    if answered:
+        b.breaker.on_success(started)
+    else:
+        b.breaker.release()
+
+
+def charge_send_error(b: BackendState, e: BaseException, started: float, health: HealthConfig) -> Retryable:
     """Charge a failure to send the request or get its response head, and say what the client would see."""
     now = time.monotonic()
     if isinstance(e, CONNECT_ERRORS):
@@ -75,7 +103,8 @@ def charge_send_error(b, e: BaseException, started: float, health: HealthConfig)
     return Retryable(upstream_failed("connection lost before the response"))
 
 
-def charge_engine_error(b, err: GatewayError, headers: Mapping[str, str], health: HealthConfig) -> Retryable | None:
+def charge_engine_error(b: BackendState, err: GatewayError, headers: Mapping[str, str],
+                        health: HealthConfig) -> Retryable | None:
     """An engine's HTTP error: the Retryable to move on with, or None when it is the request's own fault."""
     charge = charge_status(err.status)
     if charge == "client":

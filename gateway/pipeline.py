@@ -15,8 +15,8 @@ from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATH
                                ReplyTooLarge, RequestShape, RouteInput, UpstreamCall, UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
-from gateway.failover import (TRANSPORT_ERRORS, Retryable, charge_engine_error, charge_send_error,
-                              hung_hold)
+from gateway.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
+                              charge_timeout, settle)
 from gateway.headers import trace_headers
 from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.request import RequestState
@@ -152,7 +152,7 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
             g.metrics.retry(b.id)
             continue
         if suspect is not None:
-            suspect.breaker.on_failure(time.monotonic())  # another engine served what this one gave a 500 for
+            charge(suspect)  # another engine served what this one gave a 500 for
         return resp
     if last_error is not None:
         raise last_error
@@ -182,11 +182,10 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
     """One try on one backend: send, then relay the reply; the outcome is recorded however it ends."""
     cfg = g.cfg
     ex = st.ex
-    loop_now = time.monotonic
     b.in_flight += 1
     running_at_start = b.in_flight - 1
-    started = loop_now()
-    b.breaker.on_attempt(started)
+    started = time.monotonic()
+    begin(b, started)
     session = g.session_enter(shape.session_id)  # found once, by classify
     t0 = time.perf_counter()
     reply = None
@@ -218,12 +217,12 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         try:
             data = await reply.read(cfg.upstream.max_reply_bytes)
         except ReplyTooLarge:
-            b.breaker.on_failure(loop_now())
+            charge(b)
             status = 502
             raise upstream_failed(f"the reply is larger than the gateway's limit "
                                   f"({cfg.upstream.max_reply_bytes} bytes)") from None  # not retried: it would be again
         except TRANSPORT_ERRORS as e:
-            b.breaker.on_failure(loop_now())
+            charge(b)
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
         usage = usage_of(data)
         outcome_ok = True
@@ -247,10 +246,7 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         g.session_exit(session)
         if reply is not None:
             reply.close()
-        if outcome_ok or engine_ok:
-            b.breaker.on_success(started)
-        else:
-            b.breaker.release()  # no verdict (client left, a 500 still under judgement): free a half-open trial
+        settle(b, started, outcome_ok or engine_ok)
         n_prompt = (usage or {}).get("prompt_tokens")
         if isinstance(n_prompt, int):
             g.prompt_sizer.observe(shape.model, shape.prompt_tokens, n_prompt)
@@ -275,17 +271,17 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
         async with asyncio.timeout_at(first_by):  # one deadline from sending the request to the first byte
             first = await chunks.__anext__()
     except StopAsyncIteration:
-        b.breaker.on_failure(time.monotonic())
+        charge(b)
         raise Retryable(upstream_failed("the engine closed the stream without sending anything")) from None
     except TimeoutError as e:
-        b.breaker.on_failure(time.monotonic(), hold_s=hung_hold(b, started, g.cfg.health.breaker_open_s))
+        charge_timeout(b, started, g.cfg.health)
         raise Retryable(upstream_timeout("no first token in time")) from e
     except TRANSPORT_ERRORS as e:
-        b.breaker.on_failure(time.monotonic())
+        charge(b)
         raise Retryable(upstream_failed("connection lost before the first token")) from e
     if reply.broken:
         # The engine's reply broke in the same read as its first bytes: the client has seen nothing yet.
-        b.breaker.on_failure(time.monotonic())
+        charge(b)
         raise Retryable(upstream_failed("the engine's reply broke before the first token"))
     if started > b.last_output:
         b.last_output = started
@@ -293,10 +289,10 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
         err = _first_event_error(first)
         if err is None:
-            b.breaker.on_failure(time.monotonic())
+            charge(b)
             raise Retryable(upstream_failed("the engine began its stream with a malformed error event"))
         if err.status >= 500:
-            b.breaker.on_failure(time.monotonic())
+            charge(b)
             raise Retryable(err)
         raise err
     opts = st.body.get("stream_options")
@@ -321,7 +317,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
                 except StopAsyncIteration:
                     break
                 except TRANSPORT_ERRORS as e:
-                    b.breaker.on_failure(time.monotonic())
+                    charge(b)
                     g.metrics.stream_error(b.id)
                     # The client has seen output: no failover now, an OpenAI error event and [DONE] instead.
                     await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
@@ -331,7 +327,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
                     tap.add(chunk)
                 await relay.feed(chunk)
         except EventTooLarge as e:
-            b.breaker.on_failure(time.monotonic())
+            charge(b)
             g.metrics.stream_error(b.id)
             await relay.fail(upstream_failed(str(e)))
             return resp
