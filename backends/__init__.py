@@ -12,3 +12,8 @@ REGISTRY: dict[str, type[OpenAIHTTPBackend]] = {
     "llamacpp": LlamaCppBackend,
     "openai": OpenAIBackend,
 }
+
+
+def engine_names() -> tuple[str, ...]:
+    """The engine names a configuration may use: the registry's, so that a new adapter needs no other list."""
+    return tuple(REGISTRY)

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from backends import engine_names
+
 CLASS_NAMES = ("long_output", "long_prompt", "interactive", "default")
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
 KEY_PLACEHOLDER = "run-shapegate-keys-new-and-put-its-sha256-here"
@@ -198,7 +200,7 @@ class LatencyHints(Strict):
 
 class BackendConfig(Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    engine: Literal["vllm", "sglang", "llamacpp", "openai"]
+    engine: str  # one of backends.engine_names()
     url: str
     models: dict[str, str]
     api_key_env: str | None = None
@@ -209,6 +211,14 @@ class BackendConfig(Strict):
     # Tokens one request may hold here (prompt + output): discovered from the engine when it says; this
     # overrides it, or supplies it for an engine that does not.
     max_context: int | None = Field(None, ge=1)
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        known = engine_names()
+        if v not in known:
+            raise ValueError(f"unknown engine {v!r}; expected one of {', '.join(known)}")
+        return v
 
     @field_validator("models", mode="before")
     @classmethod

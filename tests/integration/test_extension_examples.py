@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import types
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 from aiohttp import web
 
+import backends
 import policies
 from backends.openai_http import OpenAIHTTPBackend
 from gateway.config import ConfigError, parse_config
 from gateway.runtime import build_policy
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from tests.fake_engine import FakeEngine, Knobs, free_port, make_app
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,9 +68,10 @@ async def test_the_example_policy_is_loaded_checked_and_routes(example_policy):
         await fast.stop()
 
 
-async def test_the_example_adapter_probes_its_route_and_reads_its_gauges():
+async def test_the_example_adapter_serves_behind_a_gateway():
     module = load("backends.example", python_blocks()[1])
     assert issubclass(module.ExampleBackend, OpenAIHTTPBackend)
+    app = make_app(Knobs())  # an OpenAI-compatible server, with the example's own routes added below
 
     async def ready(request):
         return web.Response(text="ok")
@@ -77,19 +79,30 @@ async def test_the_example_adapter_probes_its_route_and_reads_its_gauges():
     async def metrics(request):
         return web.Response(text='example:active_requests{model="m"} 3\nexample:queued_requests 1\n')
 
-    app = web.Application()
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    backends.REGISTRY["example"] = module.ExampleBackend  # the line the guide adds
+    gw = None
     try:
-        async with aiohttp.ClientSession() as session:  # what Gateway.attach gives every adapter
-            adapter = module.ExampleBackend(id="x", url=f"http://127.0.0.1:{port}", session=session)
-            assert (await adapter.probe(2.0)).ok
-            load_ = await adapter.sample_load(2.0)
-            assert (load_.running, load_.waiting) == (3.0, 1.0)
-            adapter.close()
+        gw = await start_gateway(gateway_config(
+            [{"id": "ex", "engine": "example", "url": f"http://127.0.0.1:{port}", "models": ["m"]}]))
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=USER_KEY, max_retries=0) as c:
+            raw = await c.chat.completions.with_raw_response.create(
+                model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert raw.headers["x-shapegate-backend"] == "ex" and raw.parse().choices[0].message.content
+        b = gw.state.pool.get("ex")
+        deadline = asyncio.get_running_loop().time() + 5
+        while b.load is None:  # its gauges, read the adapter's way
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        assert (b.load.running, b.load.waiting) == (3.0, 1.0)
     finally:
+        if gw is not None:
+            await gw.stop()
+        del backends.REGISTRY["example"]
+        del sys.modules["backends.example"]
         await runner.cleanup()
