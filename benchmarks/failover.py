@@ -12,29 +12,44 @@
 # Every reply is classified by the client: served (200, stream ends with a finish_reason and [DONE]),
 # failed with a clear error (an OpenAI-shaped error body, or an error event then [DONE]), or lost
 # (anything else). An admin poller reads /stats every 50 ms to time when a faulty engine leaves
-# rotation and comes back.
+# rotation and comes back. A failover is put down to a fault when it started within the fault's window
+# widened by FAULT_MARGIN_S; one that started outside every window is a false alarm, and the report says
+# how much of the run the windows cover. The whole run, with fresh engines and gateway, is repeated (3
+# times by default); benchmarks/failover_report.py writes the medians over the repeats with their
+# min..max. Exits 1 when any repeat lost a request.
 #
-# Usage: python benchmarks/failover.py [--requests 2000] [--concurrency 32]
+# Usage: python -m benchmarks.failover [--requests 2000] [--concurrency 32] [--repeats 3] [--from-json FILE]
 # Writes benchmarks/results/failover.{json,md}.
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import hashlib
 import json
+import os
 import platform
 import random
 import re
+import secrets
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import tomllib
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from failover_procs import ENGINES, Engine, Gateway, gateway_toml  # noqa: E402
+import failover_report
+from failover_procs import ENGINES, Engine, Gateway, gateway_toml
+
+from gateway.sim.profiles import get_profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = re.compile(rb'"content":"[^"]')
@@ -43,6 +58,13 @@ SCHEDULE = [("kill", ("vllm-1",)), ("hang", ("sglang-0",)), ("5xx", ("llama-0",)
             ("503", ("vllm-1",)), ("kill2", ("llama-0", "vllm-0"))]
 KNOBS = {"hang": {"hang_s": -1}, "5xx": {"error_rate": 1.0, "error_status": 502},
          "503": {"error_rate": 1.0, "error_status": 503, "retry_after_s": 2}, "slow": {"slow_start_s": 3.0}}
+TIMEOUT_KINDS = ("hang", "slow")  # faults an engine shows only by not answering in time
+# A failover is put down to a fault when its request started within the fault's window widened by this much:
+# a request sent up to a TTFT deadline (0.8 s) before a fault can still be caught by it.
+FAULT_MARGIN_S = 1.0
+NO_FAULT = "no fault on the engine left"  # the cause of a failover off an engine that had no fault around then
+MAX_TOKENS = (8, 24)
+POLL_S = 0.05
 
 
 def classify(status: int, raw: bytes) -> str:
@@ -57,7 +79,7 @@ def classify(status: int, raw: bytes) -> str:
 
 async def one(s, url: str, key: str, rng: random.Random) -> dict:
     body = {"model": "m", "messages": [{"role": "user", "content": "tell me something " * rng.randint(1, 20)}],
-            "stream": True, "max_tokens": rng.randint(8, 24)}
+            "stream": True, "max_tokens": rng.randint(*MAX_TOKENS)}
     t0 = time.monotonic()
     rec = {"t0": t0, "status": 0, "backend": "", "reason": "", "kind": "lost"}
     try:
@@ -102,12 +124,15 @@ async def inject(engines: dict[str, Engine], done: asyncio.Event) -> list[dict]:
     while not done.is_set():
         kind, targets = SCHEDULE[i % len(SCHEDULE)]
         i += 1
+        # Streams on a killed engine can fail while kill() still waits for the process to exit.
+        t_inject = time.monotonic()
         for t in targets:
             await (engines[t].kill() if kind.startswith("kill") else engines[t].set_faults(**KNOBS[kind]))
         # The fault is in force from here: the process is gone, or the engine has taken the knob.
-        f = {"kind": kind, "backends": list(targets), "t_fault": time.monotonic()}
+        f = {"kind": kind, "backends": list(targets), "t_inject": t_inject, "t_fault": time.monotonic()}
         with _suppress_timeout():
             await asyncio.wait_for(done.wait(), HOLD_S)
+        f["cut_short"] = done.is_set()  # the load ended while the fault was held
         for t in targets:
             await (engines[t].start() if kind.startswith("kill") else engines[t].set_faults(reset=True))
         f["t_recover"] = time.monotonic()  # restarted engines answer their health route by now
@@ -125,75 +150,20 @@ class _suppress_timeout:
         return et is TimeoutError
 
 
-async def watch(url: str, key: str, done: asyncio.Event) -> list[tuple[float, dict[str, bool]]]:
-    """When each backend is in rotation (ready, breaker not open), every 50 ms from the gateway's /stats."""
+async def watch(url: str, key: str, done: asyncio.Event) -> list[tuple[float, dict[str, str]]]:
+    """Each backend's state every POLL_S from the gateway's /stats: its breaker's when ready, else its health."""
     timeline = []
     async with aiohttp.ClientSession() as s:
         while not done.is_set():
             try:
                 async with s.get(url + "/stats", headers={"Authorization": f"Bearer {key}"}) as r:
                     rows = (await r.json())["backends"]
-                timeline.append((time.monotonic(), {b["id"]: b["health"] == "ready" and b["breaker"] != "open"
+                timeline.append((time.monotonic(), {b["id"]: b["breaker"] if b["health"] == "ready" else b["health"]
                                                     for b in rows}))
             except (aiohttp.ClientError, TimeoutError):
                 pass  # a missed poll only lowers the resolution
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(POLL_S)
     return timeline
-
-
-def analyze(records: list[dict], faults: list[dict], timeline) -> dict:
-    for f in faults:
-        outs, backs = [], []
-        for b in f["backends"]:
-            out = next((t for t, up in timeline if t >= f["t_fault"] and not up.get(b, True)), None)
-            outs.append(None if out is None else out - f["t_fault"])
-            served = [r["t0"] for r in records if r["backend"] == b and r["kind"] == "served"
-                      and r["t0"] >= f["t_recover"]]
-            backs.append(min(served) - f["t_recover"] if served else None)
-        f["out_of_rotation_s"] = max(outs) if None not in outs else None
-        f["traffic_back_s"] = max(backs) if None not in backs else None
-        f["failovers"] = sum(1 for r in records if f["t_fault"] <= r["t0"] < f["t_recover"]
-                             and set(f["backends"]) & set(failed_on(r["reason"])))
-        f["errors"] = sum(1 for r in records if r["kind"] == "error" and f["t_fault"] <= r["t1"]
-                          and r["t0"] < f["t_recover"])
-    kinds = {k: sum(1 for r in records if r["kind"] == k) for k in ("served", "error", "lost")}
-    # A request sent up to a TTFT deadline before a fault can still be caught by it.
-    false_alarms = [r for r in records if r["failed_on"] and not any(
-        f["t_fault"] - 1.0 <= r["t0"] <= f["t_recover"] + 1.0 for f in faults)]
-    moved = [r["ttft"] for r in records if r["failed_on"] and "ttft" in r]
-    direct = [r["ttft"] for r in records if not r["failed_on"] and "ttft" in r]
-    span = max(r["t1"] for r in records) - min(r["t0"] for r in records)
-    outs = [f["out_of_rotation_s"] for f in faults if f["out_of_rotation_s"] is not None]
-    backs = [f["traffic_back_s"] for f in faults if f["traffic_back_s"] is not None]
-    return {"requests": len(records), **kinds, "duration_s": round(span, 1),
-            "errors_by_code": _count(r.get("error", "?") for r in records if r["kind"] != "served"),
-            "failovers_total": sum(1 for r in records if "failover from" in r["reason"]),
-            # Failovers that no fault explains (started outside every fault window): false alarms.
-            "failovers_outside_faults": len(false_alarms),
-            "false_alarms": [{"t": round(r["t0"] - records[0]["t0"], 2), "reason": r["reason"]}
-                             for r in false_alarms],
-            "not_served": [{"t": round(r["t0"] - records[0]["t0"], 2), "status": r["status"],
-                            "backend": r["backend"], "error": r.get("error", "")} for r in records
-                           if r["kind"] != "served"],
-            "out_of_rotation_s": _dist(outs), "traffic_back_s": _dist(backs),
-            "ttft_failed_over_s": _dist(moved), "ttft_direct_s": _dist(direct),
-            "faults": [{k: (round(v - records[0]["t0"], 2) if k.startswith("t_") else
-                            round(v, 3) if isinstance(v, float) else v) for k, v in f.items()} for f in faults]}
-
-
-def _count(items) -> dict:
-    out: dict = {}
-    for i in items:
-        out[i] = out.get(i, 0) + 1
-    return out
-
-
-def _dist(xs: list[float]) -> dict:
-    if not xs:
-        return {}
-    xs = sorted(xs)
-    return {"n": len(xs), "median": round(statistics.median(xs), 3), "p99": round(xs[int(0.99 * (len(xs) - 1))], 3),
-            "max": round(xs[-1], 3)}
 
 
 async def all_ready(url: str, n: int, timeout: float = 30.0) -> None:
@@ -217,73 +187,159 @@ def failed_on(reason: str) -> list[str]:
     return reason.split("failover from ", 1)[1].split(" after", 1)[0].split(",")
 
 
-def write(summary: dict, args) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "failover.json").write_text(json.dumps(summary, indent=1))
-    s = summary
-    rows = "\n".join(
-        f"| {f['t_fault']:.1f} | {f['kind']} | {', '.join(f['backends'])} | {_s(f['out_of_rotation_s'])} | "
-        f"{f['failovers']} | {f['errors']} | {_s(f['traffic_back_s'])} |" for f in s["faults"])
-    md = f"""# Failover under injected faults
-
-{s['requests']} streamed chat requests at concurrency {args.concurrency} through the gateway
-(`python -m gateway.cli serve`: least_loaded, TTFT deadline 0.8 s for every class, breaker 3
-failures / 1 s, probes every 0.2 s) in front of four simulated engines run as processes
-(`python -m gateway.sim`, R9700 profiles: 2 vLLM, 1 SGLang, 1 llama.cpp with 4 slots), 8-24 output
-tokens each. Client, gateway and engines share one {platform.machine()} machine with {os_cpus()} cores,
-loopback only (Python {platform.python_version()}). Faults cycle through the whole run, each held
-{HOLD_S} s and followed by {SETTLE_S} s of healthy running: {', '.join(k for k, _ in SCHEDULE)}.
-
-| requests | served | failed with a clear error | lost or truncated silently | duration |
-|---|---|---|---|---|
-| {s['requests']} | {s['served']} | {s['error']} | **{s['lost']}** | {s['duration_s']} s |
-
-- *Served*: the stream ended with a finish_reason and `[DONE]`. *Failed with a clear error*: an
-  OpenAI-shaped error body, or an error event then `[DONE]`. *Lost*: anything else (a cut stream, a
-  dropped connection, a `[DONE]` with neither). Every stream was checked.
-- Errors by code: {', '.join(f'{k} x{v}' for k, v in sorted(s['errors_by_code'].items())) or 'none'}.
-  A stream whose engine is killed after output started cannot move (the client has seen tokens):
-  it ends with an error event and `[DONE]`.
-- {s['failovers_total']} requests failed on one engine before their first byte and were served by another;
-  {s['failovers_outside_faults']} of them started outside every fault window (false alarms, such as an engine's TTFT
-  going over the deadline while the 2 cores are saturated).
-- Time to first token, client-measured: requests served directly median {_s(s['ttft_direct_s'].get('median'))},
-  p99 {_s(s['ttft_direct_s'].get('p99'))}; requests that failed over median
-  {_s(s['ttft_failed_over_s'].get('median'))}, max {_s(s['ttft_failed_over_s'].get('max'))} (a hung or slow
-  engine costs a request at most the 0.8 s deadline before it moves; a dead one costs a refused connect).
-- Fault to out of rotation (the gateway's own /stats, polled every 50 ms): median
-  {_s(s['out_of_rotation_s'].get('median'))}, max {_s(s['out_of_rotation_s'].get('max'))} over
-  {s['out_of_rotation_s'].get('n', 0)} faults. Kills, 5xx and 503 take an engine out with the first failed
-  request; a hang or slow start needs one request to reach the TTFT deadline, so its floor is that
-  deadline (0.8 s here) plus the wait for the next request the policy sends there.
-- Recovery to traffic back (recovery = fault lifted, or the restarted process answering its health
-  route; traffic back = the first request served by that engine): median
-  {_s(s['traffic_back_s'].get('median'))}, max {_s(s['traffic_back_s'].get('max'))} over
-  {s['traffic_back_s'].get('n', 0)} recoveries.
-
-| t (s) | fault | backends | out of rotation after | failovers | clear errors | traffic back after |
-|---|---|---|---|---|---|---|
-{rows}
-
-Generated by `benchmarks/failover.py`; raw figures in `failover.json`.
-"""
-    (RESULTS / "failover.md").write_text(md)
+def failed_after(reason: str) -> str:
+    """The error code of the last failure before the request moved ('... failover from a,b after CODE')."""
+    return reason.rsplit(" after ", 1)[1] if "failover from " in reason else ""
 
 
-def _s(v) -> str:
-    return "-" if v is None else f"{v:.2f} s"
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the spans."""
+    total, reach = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        if hi > max(lo, reach):
+            total += hi - max(lo, reach)
+        reach = max(reach, hi)
+    return total
 
 
-def os_cpus() -> int:
-    import os
-    return os.cpu_count() or 0
+def _dist(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    return {"n": len(xs), "median": round(statistics.median(xs), 3), "p99": round(xs[int(0.99 * (len(xs) - 1))], 3),
+            "min": round(xs[0], 3), "max": round(xs[-1], 3)}
 
 
-async def main(args) -> dict:
-    import hashlib
-    import secrets
-    import tempfile
+def in_rotation(states: dict[str, str], backend: str) -> bool:
+    """Ready and breaker not open (a half-open breaker lets one trial request through)."""
+    return states.get(backend, "closed") in ("closed", "half_open")
 
+
+def _fault_times(f: dict, records: list[dict], timeline) -> None:
+    """When each engine of the fault left rotation (before its recovery), when it first served a request after
+    it, and the clear errors that ended while it lasted."""
+    outs, backs = [], []
+    before = [states for t, states in timeline if t < f["t_fault"]]
+    # An engine already out when the fault came (a breaker opened by an earlier failure) is timed from when it
+    # was next seen in rotation: only then can the fault be what takes it out.
+    f["already_out"] = [b for b in f["backends"] if before and not in_rotation(before[-1], b)]
+    for b in f["backends"]:
+        seen_in, out = b not in f["already_out"], None
+        for t, states in timeline:
+            if f["t_fault"] <= t <= f["t_recover"]:
+                if seen_in and not in_rotation(states, b):
+                    out = t
+                    break
+                seen_in = seen_in or in_rotation(states, b)
+        outs.append(None if out is None else out - f["t_fault"])
+        served = [r["t0"] for r in records if r["backend"] == b and r["kind"] == "served" and r["t0"] >= f["t_recover"]]
+        backs.append(min(served) - f["t_recover"] if served else None)
+    f["out_of_rotation_s"] = max(outs) if None not in outs else None
+    f["traffic_back_s"] = max(backs) if None not in backs else None
+    f["run_left_s"] = max(r["t1"] for r in records) - f["t_recover"]  # load time left after the recovery
+    f["errors"] = sum(1 for r in records if r["kind"] == "error" and f["t_inject"] <= r["t1"]
+                      and r["t0"] < f["t_recover"])
+
+
+def analyze(records: list[dict], faults: list[dict], timeline, engine_ids: list[str], deadline_s: float) -> dict:
+    """One repeat's figures from the client's records, the injected faults and the /stats timeline."""
+    records.sort(key=lambda r: r["t0"])
+    start, end = records[0]["t0"], max(r["t1"] for r in records)
+    span = end - start
+    for f in faults:
+        _fault_times(f, records, timeline)
+        f["window"] = (max(start, f["t_fault"] - FAULT_MARGIN_S), min(end, f["t_recover"] + FAULT_MARGIN_S))
+        f["failovers"] = 0  # those it explains, counted below
+    moved = [r for r in records if failed_on(r["reason"])]
+    false_alarms, unexcused = [], []
+    for r in moved:
+        r["failed_on"], r["after"] = failed_on(r["reason"]), failed_after(r["reason"])
+        near = [f for f in faults if f["window"][0] <= r["t0"] <= f["window"][1]]
+        if not near:
+            false_alarms.append(r)
+        if any(not any(b in f["backends"] for f in near) for b in r["failed_on"]):
+            unexcused.append(r)  # left an engine that had no fault of its own around then
+        cause = next((f for f in near if set(f["backends"]) & set(r["failed_on"])), None)
+        r["cause"] = cause["kind"] if cause else NO_FAULT
+        if cause:
+            cause["failovers"] += 1
+    covered = _union_s([f["window"] for f in faults])
+    engine_covered = [_union_s([f["window"] for f in faults if b in f["backends"]]) for b in engine_ids]
+    fault_free = span - covered
+    direct = [r["ttft"] for r in records if not failed_on(r["reason"]) and "ttft" in r]
+    # A request that moved off a hung or slow engine waited one deadline per engine it left; what its TTFT
+    # has beyond that is the gateway's own time plus the first token of the engine that served it.
+    beyond = [r["ttft"] - len(r["failed_on"]) * deadline_s for r in moved
+              if r["cause"] in TIMEOUT_KINDS and r["after"] == "upstream_timeout" and "ttft" in r]
+    errors = [r for r in records if r["kind"] == "error"]
+    cut = {id(r) for r in errors if r["status"] == 200 and any(
+        f["kind"].startswith("kill") and r["backend"] in f["backends"] and f["t_inject"] <= r["t1"]
+        and r["t0"] < f["t_fault"] for f in faults)}
+    polls = [t for t, _ in timeline]
+
+    def states_at(t: float) -> str:
+        """How many engines were in each state at the last /stats poll before t."""
+        i = bisect.bisect_right(polls, t) - 1
+        counts = Counter(timeline[i][1].values()) if i >= 0 else Counter(unpolled=len(engine_ids))
+        return " + ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+    refused = [r for r in errors if r["error"] == "no_backend_available"]
+    starts = [r["t0"] for r in refused]  # sorted, as the records are
+    others: dict[str, list[float]] = {}
+    for r in errors:
+        if id(r) not in cut:
+            others.setdefault(r["error"], []).append(r["t0"])
+    engine_fault_free_min = sum(span - c for c in engine_covered) / 60
+
+    def rel(t: float) -> float:
+        return round(t - start, 2)  # seconds since the repeat's first request
+
+    return {
+        "requests": len(records), **{k: sum(1 for r in records if r["kind"] == k) for k in ("served", "error", "lost")},
+        "duration_s": round(span, 1), "deadline_s": deadline_s,
+        "errors_by_code": dict(Counter(r.get("error", "?") for r in records if r["kind"] != "served")),
+        "errors_cut_by_kill": len(cut), "errors_cut_with_tokens": sum(1 for r in errors if id(r) in cut and "ttft" in r),
+        "refused": len(refused), "refused_by_states": dict(Counter(states_at(r["t0"]) for r in refused)),
+        "refused_most_in_1s": max((bisect.bisect_right(starts, t + 1.0) - i for i, t in enumerate(starts)), default=0),
+        "other_errors": {code: {"n": len(ts), "first_t": rel(min(ts)), "last_t": rel(max(ts))}
+                         for code, ts in sorted(others.items())},
+        "failovers_total": len(moved), "failovers_by_cause": dict(Counter(r["cause"] for r in moved)),
+        "false_alarms": len(false_alarms), "fault_windows_s": round(covered, 2),
+        "fault_window_share": round(covered / span, 4), "fault_free_s": round(fault_free, 2),
+        "false_alarms_per_fault_free_min": round(len(false_alarms) / (fault_free / 60), 3) if fault_free > 0 else None,
+        "failovers_off_unfaulted_engine": len(unexcused),
+        "off_unfaulted_per_engine_min": round(len(unexcused) / engine_fault_free_min, 3),
+        "engine_window_share": round(statistics.mean(engine_covered) / span, 4),
+        "unexcused_list": [{"t": rel(r["t0"]), "failed_on": r["failed_on"], "after": r["after"],
+                            "outside_every_window": r in false_alarms,
+                            "ttft": round(r["ttft"], 3) if "ttft" in r else None} for r in unexcused],
+        "not_served": [{"t": rel(r["t0"]), "t_end": rel(r["t1"]), "status": r["status"], "backend": r["backend"],
+                        "kind": r["kind"], "error": r.get("error", ""), "cut_by_kill": id(r) in cut}
+                       for r in records if r["kind"] != "served"],
+        "ttft_direct_s": _dist(direct), "ttft_failed_over_s": _dist([r["ttft"] for r in moved if "ttft" in r]),
+        "ttft_failed_over_by_cause_s": {k: _dist([r["ttft"] for r in moved if r["cause"] == k and "ttft" in r])
+                                        for k in sorted({r["cause"] for r in moved})},
+        "timeout_moves_beyond_deadline_s": _dist(beyond),
+        "timeout_moves_over_direct_p99": sum(1 for b in beyond if direct and b > _dist(direct)["p99"]),
+        "out_of_rotation_s": _dist([f["out_of_rotation_s"] for f in faults if f["out_of_rotation_s"] is not None]),
+        "traffic_back_s": _dist([f["traffic_back_s"] for f in faults if f["traffic_back_s"] is not None]),
+        "faults": [{**{k: (rel(v) if k.startswith("t_") else round(v, 3) if isinstance(v, float) else v)
+                       for k, v in f.items() if k != "window"}, "window": [rel(t) for t in f["window"]]}
+                   for f in faults]}
+
+
+def settings(toml_text: str) -> dict:
+    """The gateway settings the report names, read back from the config the gateway was given."""
+    cfg = tomllib.loads(toml_text)
+    up, routing, health = cfg["upstream"], cfg["routing"], cfg["health"]
+    return {"policy": routing["policy"], "max_attempts": routing["max_attempts"],
+            "ttft_deadline_s": up["ttft_deadline_s"], "first_byte_timeout_s": up["first_byte_timeout_s"],
+            "breaker_failures": health["breaker_failures"], "breaker_open_s": health["breaker_open_s"],
+            "probe_interval_s": health["interval_s"], "sglang_probe_interval_s": health["sglang_interval_s"]}
+
+
+async def run_once(args) -> tuple[dict, dict]:
+    """One repeat with fresh engines and gateway: its analysis, and the gateway settings it ran with."""
     key, admin = "sk-" + secrets.token_hex(8), "sk-" + secrets.token_hex(8)
     engines = {i: Engine(i) for i in ENGINES}
     await asyncio.gather(*(e.start() for e in engines.values()))
@@ -303,19 +359,67 @@ async def main(args) -> dict:
     finally:
         await gw.stop()
         await asyncio.gather(*(e.stop() for e in engines.values()))
-    records.sort(key=lambda r: r["t0"])
-    for r in records:
-        r["failed_on"] = failed_on(r["reason"])
-    summary = analyze(records, faults, timeline)
-    write(summary, args)
-    return summary
+    gateway = settings(cfg.read_text())
+    deadlines = set(gateway["ttft_deadline_s"].values())
+    assert len(deadlines) == 1, "the analysis assumes one TTFT deadline for every class"
+    return analyze(records, faults, timeline, list(engines), deadlines.pop()), gateway
+
+
+def tree_state() -> dict:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(("git", *cmd), capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty_paths": len(changed),
+            # The code under test: an uncommitted change there makes the commit alone not reproduce the run.
+            "dirty_gateway_paths": sum(1 for p in changed if p.startswith(("gateway/", "backends/")))}
+
+
+async def main(args) -> dict:
+    started = time.monotonic()
+    meta = {**tree_state(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "load_before": os.getloadavg(), "command": " ".join(["python -m benchmarks.failover", *sys.argv[1:]]),
+            "requests": args.requests, "concurrency": args.concurrency, "repeats": args.repeats,
+            "hold_s": HOLD_S, "settle_s": SETTLE_S, "schedule": SCHEDULE, "max_tokens": MAX_TOKENS,
+            "poll_s": POLL_S, "fault_margin_s": FAULT_MARGIN_S, "timeout_kinds": TIMEOUT_KINDS,
+            "engines": {i: {"engine": e, "profile": p, "max_running": get_profile(e, p).max_running}
+                        for i, (e, p, _) in ENGINES.items()}}
+    runs = []
+    for rep in range(args.repeats):
+        load_before = os.getloadavg()
+        run, meta["gateway"] = await run_once(args)
+        runs.append({**run, "load_before": load_before, "load_after": os.getloadavg()})
+        print(f"repeat {rep + 1}/{args.repeats}: served {run['served']}, errors {run['error']}, lost {run['lost']}, "
+              f"failovers {run['failovers_total']}, false alarms {run['false_alarms']} "
+              f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    meta["load_after"] = os.getloadavg()
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    return {"meta": meta, "runs": runs}
+
+
+def write(data: dict, md_path: Path) -> None:
+    md_path.parent.mkdir(exist_ok=True)
+    md_path.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    md_path.write_text(failover_report.markdown(data))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--from-json", type=Path, help="re-render the .md of an earlier run's .json (no run)")
     a = p.parse_args()
-    out = uvloop.run(main(a))
-    print(json.dumps({k: v for k, v in out.items() if k not in ("faults", "not_served", "false_alarms")}, indent=1))
-    sys.exit(1 if out["lost"] else 0)
+    if a.from_json:
+        result = json.loads(a.from_json.read_text())
+        a.from_json.with_suffix(".md").write_text(failover_report.markdown(result))
+    else:
+        result = uvloop.run(main(a))
+        write(result, RESULTS / "failover.md")
+    print(failover_report.markdown(result))
+    sys.exit(1 if any(run["lost"] for run in result["runs"]) else 0)
