@@ -20,7 +20,9 @@ class Profile:
     A scheduler step that carries `seqs` sequences and `prefill` prompt tokens lasts
     itl_base_s + itl_per_seq_s * seqs + prefill / prefill_tps seconds: the base is the
     weight read every step pays, the per-sequence term is why ITL rises with the batch,
-    and prompt tokens share one prefill rate across all prefills in the step.
+    and prompt tokens share one prefill rate across all prefills in the step. Decoding also
+    reads each decoding sequence's whole KV cache every step: kv_read_s_per_token times the
+    tokens those sequences hold (0: off), so a long context slows every stream batched with it.
     """
 
     name: str
@@ -38,10 +40,12 @@ class Profile:
     prefix_cache_tokens: int = 262_144  # bound on the simulated prefix cache
     n_params: int = 30_500_000_000
     source: str = ""
+    kv_read_s_per_token: float = 0.0  # decode attention: seconds per KV token read in a step
 
-    def step_seconds(self, seqs: int, prefill_tokens: int) -> float:
-        """Modelled duration of one scheduler step."""
-        return self.itl_base_s + self.itl_per_seq_s * seqs + prefill_tokens / self.prefill_tps
+    def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int = 0) -> float:
+        """Modelled duration of one scheduler step (`context_tokens`: KV held by its decoding sequences)."""
+        return (self.itl_base_s + self.itl_per_seq_s * seqs + prefill_tokens / self.prefill_tps
+                + self.kv_read_s_per_token * context_tokens)
 
     def with_slots(self, slots: int | None) -> Profile:
         """The same profile with the batch cap (or llama.cpp slot count) overridden."""

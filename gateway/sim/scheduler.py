@@ -150,7 +150,8 @@ class Scheduler:
             return None
         prefill = sum(n for _, n in chunks)
         seqs = len(decode) + len(chunks)
-        end = now + self.profile.step_seconds(seqs, prefill)
+        context = sum(r.prefilled + r.generated for r in decode)  # KV that decode attention reads
+        end = now + self.profile.step_seconds(seqs, prefill, context)
         emitted: list[SimRequest] = []
         finished: list[SimRequest] = []
         for req in decode:
