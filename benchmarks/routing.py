@@ -174,6 +174,19 @@ async def wait_ready(http: aiohttp.ClientSession, url: str, what: str, timeout: 
 
 
 # -- the load generator -------------------------------------------------------------------------------
+async def record_request(http: aiohttp.ClientSession, url: str, body: dict, headers: dict, rec: dict) -> str:
+    """stream_request, with the time of a request cut at the drain cap (censored) or failed kept in `rec` too."""
+    start = time.perf_counter()
+    try:
+        return await stream_request(http, url, body, headers, rec)
+    except asyncio.CancelledError:
+        rec.update(censored=True, e2e=time.perf_counter() - start)
+        raise
+    except (aiohttp.ClientError, ValueError) as e:
+        rec.update(error=repr(e), e2e=time.perf_counter() - start)
+        return ""
+
+
 async def stream_request(http: aiohttp.ClientSession, url: str, body: dict, headers: dict, rec: dict) -> str:
     """Send one streamed chat request; fill `rec` with GenAI-Perf TTFT, ITL and e2e; return the text."""
     text: list[str] = []
@@ -226,15 +239,7 @@ async def drive(http: aiohttp.ClientSession, url: str, load: W.Load, window_s: f
         rec = {"id": rid, "kind": kind.name, "at": time.perf_counter() - t0, "ok": False, "censored": False,
                "ttft": None, "itl": None, "e2e": None, "tokens": 0, "backend": "", "reason": ""}
         records.append(rec)
-        start = time.perf_counter()
-        try:
-            return await stream_request(http, url, body, headers, rec)
-        except asyncio.CancelledError:
-            rec.update(censored=True, e2e=time.perf_counter() - start)
-            raise
-        except (aiohttp.ClientError, ValueError) as e:
-            rec.update(error=repr(e), e2e=time.perf_counter() - start)
-            return ""
+        return await record_request(http, url, body, headers, rec)
 
     async def session(a: W.Arrival, rid: str) -> None:
         history: list[dict] = []

@@ -35,7 +35,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
 
 from benchmarks import routing_real_report as report  # noqa: E402
-from benchmarks.routing import free_port, serve_gateway, stream_request, wait_ready  # noqa: E402
+from benchmarks.routing import free_port, record_request, serve_gateway, stream_request, wait_ready  # noqa: E402
 from benchmarks.routing_workload import words  # noqa: E402
 from tests.e2e import wire  # noqa: E402
 from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server  # noqa: E402
@@ -202,15 +202,7 @@ async def drive(http: aiohttp.ClientSession, url: str, rates: dict[str, float], 
                "tokens": 0, "backend": "", "reason": "", "status": None}
         if measured:
             records.append(rec)
-        t0 = time.perf_counter()
-        try:
-            return await stream_request(http, url, body, headers, rec)
-        except asyncio.CancelledError:
-            rec.update(censored=True, e2e=time.perf_counter() - t0)
-            raise
-        except (aiohttp.ClientError, ValueError) as e:
-            rec.update(error=repr(e), e2e=time.perf_counter() - t0)
-            return ""
+        return await record_request(http, url, body, headers, rec)
 
     async def session_user(u: int, t0: float, start: float) -> None:
         await asyncio.sleep(start)
