@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.window, args.drain = 1, 15.0, 30.0
     ctx = multiprocessing.get_context("spawn")
-    meta = {**C.machine(), "command": "python -m benchmarks.routing " + " ".join(sys.argv[1:] if argv is None else argv),
+    command = " ".join(["python -m benchmarks.routing", *(sys.argv[1:] if argv is None else argv)])
+    meta = {**C.machine(), "command": command,
             "windows": context_windows(), "repeats": args.repeats, "window_s": args.window, "drain_s": args.drain,
             "loads": {k: vars(LOADS[k]) for k in args.loads}, "portfolio": PORTFOLIO,
             "kinds": {k.name: vars(k) for k in W.KINDS}, "late_limit": C.LATE_LIMIT, "min_steps": C.MIN_STEPS,

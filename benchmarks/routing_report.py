@@ -120,3 +120,15 @@ def gaps(summary: dict, refs: dict, load: str) -> dict:
             "greedy_minus_replay": diff(med(refs["greedy"]["slo"]), med(replayed)),
             "bound_minus_live": diff(med(refs["bound"]["slo"]), med(live)),
             "replay_minus_live": diff(med(replayed), med(live))}
+
+
+def misses(runs: list[dict], load: str, policy: str) -> list[tuple[str, str, int, int]]:
+    """(class, backend, SLO misses, requests sent there) over the accepted repeats, most misses first."""
+    sent: Counter = Counter()
+    missed: Counter = Counter()
+    for run in runs:
+        if run["load"] == load and run["policy"] == policy and not run["rejected"]:
+            for r in run["records"]:
+                sent[r["kind"], r["backend"] or "?"] += 1
+                missed[r["kind"], r["backend"] or "?"] += not meets_slo(r)
+    return sorted(((k, b, m, sent[k, b]) for (k, b), m in missed.items() if m), key=lambda x: (-x[2], x[0], x[1]))
