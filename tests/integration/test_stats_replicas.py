@@ -67,8 +67,13 @@ async def test_replicas_are_shown_labelled_and_merged():
         _, group = await get(one.url + "/stats")
         assert group["totals"]["requests"] == 5
         assert {(r["self"], r["requests"], r["workers"]) for r in group["replicas"]} == {(True, 5, 1), (False, 3, 1)}
-        _, feed = await get(two.url + "/dashboard/feed")
-        assert {(r["self"], r["requests"]) for r in feed["replicas"]} == {(True, 3), (False, 5)}
+        # Each replica pulls the others' summaries on its own period: two may see one a moment later.
+
+        async def seen_by_two() -> bool:
+            _, feed = await get(two.url + "/dashboard/feed")
+            return {(r["self"], r["requests"]) for r in feed["replicas"]} == {(True, 3), (False, 5)}
+
+        await until(seen_by_two)
         assert (await get(one.url + "/stats?scope=everything"))[0] == 400
 
         await running.pop().stop()  # a replica that stops withdraws its entry at once
