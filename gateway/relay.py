@@ -23,6 +23,22 @@ def is_token_event(ev: bytes) -> bool:
     return b'"tool_calls":[{' in ev or b'"tool_calls": [{' in ev
 
 
+FIRST_WRITE_AFTER = 2048  # a first block larger than this is split after its first token event
+
+
+def _first_token_end(block: bytes, look: int = 16) -> int:
+    """The end of the first of `look` events that carries output (0: none of them)."""
+    start = 0
+    for _ in range(look):
+        end = block.find(b"\n\n", start)
+        if end < 0:
+            return 0
+        if is_token_event(block[start:end]):
+            return end + 2
+        start = end + 2
+    return 0
+
+
 _MODEL_VALUE = re.compile(rb'"model":\s*("(?:[^"\\]|\\.)*")')
 
 
@@ -114,6 +130,15 @@ class SSERelay:
         if rest:
             parts.append(rest)
         self._size = len(rest)
+        if self.meter.t_first is None and len(data) > FIRST_WRITE_AFTER:
+            # A fast engine's whole reply can come in one read: its first token goes out before the gateway
+            # looks at the rest, so the client's first token never waits for a scan of the whole burst.
+            end = _first_token_end(data)
+            if 0 < end < len(data):
+                out = self._events(data[:end])
+                if out:
+                    await self.resp.write(out)
+                data = data[end:]
         out = self._events(data)
         if self.meter.saw_done:
             # The client's stream is complete: the last bytes and the end of the body go in one write.

@@ -59,6 +59,32 @@ async def test_relay_strips_usage_rewrites_model_any_chunking(step):
     assert meter.token_events == 2 and meter.t_first is not None and meter.saw_finish
 
 
+async def test_a_burst_sends_its_first_token_before_the_rest():
+    # A fast engine's whole reply in one read: the first token is written on its own, then the rest.
+    writes: list[bytes] = []
+
+    class Writes(Sink):
+        async def write(self, data: bytes) -> None:
+            writes.append(data)
+            await super().write(data)
+
+        async def write_eof(self, data: bytes = b"") -> None:
+            writes.append(data)
+            await super().write_eof(data)
+
+    sink, meter = Writes(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=True, rename=ModelRewrite("n"))
+    burst = ROLE + TOK * 100 + FIN + USAGE + DONE
+    await feed_all(relay, burst, len(burst))
+    assert writes[0] == ROLE + TOK and len(writes) == 2
+    assert sink.out == ROLE + TOK * 100 + FIN + DONE and meter.token_events == 100
+    # A small first block is not split (one write is cheaper than two).
+    writes.clear()
+    relay = SSERelay(Writes(), StreamMeter(), strip_usage=True, rename=ModelRewrite("n"))
+    await feed_all(relay, ROLE + TOK + TOK, 10_000)
+    assert writes[0] == ROLE + TOK + TOK
+
+
 async def test_relay_keeps_usage_when_asked_and_adds_done_after_error():
     sink, meter = Sink(), StreamMeter()
     relay = SSERelay(sink, meter, strip_usage=False, rename=ModelRewrite("n"))
