@@ -1,14 +1,21 @@
 # Slim image running the gateway: docker run -v ./config.toml:/etc/shapegate/config.toml -p 8080:8080 shapegate
+# The same image runs the engine simulator (`sim ...`, deploy/compose.yaml) and the configuration watcher that
+# reloads the gateway when a Kubernetes ConfigMap changes (deploy/k8s/gateway.yaml).
 FROM python:3.11-slim
 
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY policies ./policies
 COPY backends ./backends
-RUN pip install --no-cache-dir . && useradd --system --uid 10001 shapegate
+RUN pip install --no-cache-dir . \
+    && groupadd --system --gid 10001 shapegate \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home shapegate
+COPY deploy/config_watch.py /usr/local/bin/shapegate-config-watch
 
-USER shapegate
+# Numeric, so that Kubernetes' runAsNonRoot can tell it is not root.
+USER 10001:10001
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=2s CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/healthz').status == 200 else 1)"
 ENTRYPOINT ["shapegate"]

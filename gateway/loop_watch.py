@@ -1,0 +1,56 @@
+"""The event loop's own health: how late its timers fire (lag) and how long garbage collections hold it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from time import perf_counter
+from typing import Any, Callable
+
+TICK_S = 0.05  # the lag probe's period: 20 wake-ups a second cost nothing measurable
+
+
+async def watch_lag(observe: Callable[[float], None]) -> None:
+    """Forever: sleep TICK_S and record how much later than asked the loop woke this task up."""
+    while True:
+        t = perf_counter()
+        await asyncio.sleep(TICK_S)
+        observe(max(perf_counter() - t - TICK_S, 0.0))
+
+
+class GcWatch:
+    """A gc callback timing each collection; installed once per process, removed at shutdown."""
+
+    def __init__(self, observe: Callable[[int, float], None]) -> None:
+        self._observe = observe
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = perf_counter()
+        else:
+            self._observe(info["generation"], perf_counter() - self._start)
+
+    def install(self) -> None:
+        gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+
+def settle_heap() -> None:
+    """Before serving: what start-up made (modules, config, pools) leaves the collector's view.
+
+    A full collection walks every tracked object; with the ~70,000 that importing the gateway and its
+    libraries leaves, each one held the loop for 20-90 ms under load (several a second at c=64), which was
+    the p99 of non-streamed requests. Frozen, they are never walked again; garbage is collected first so
+    that none of it is kept.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def release_heap() -> None:
+    """At shutdown: frozen objects become collectable again (tests run many gateways in one process)."""
+    gc.unfreeze()
