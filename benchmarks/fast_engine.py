@@ -43,6 +43,22 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-E
 HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
 
+def _json_reply(obj: dict) -> bytes:
+    body = orjson.dumps(obj)
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+# GET routes that routers in front of an engine read when they add it: the OpenAI model list, and SGLang's
+# /server_info and /model_info (sglang-router asks for both; it reads model_path from them to load a tokenizer,
+# so none is given: there is no tokenizer here to load). Any other GET answers an empty 200, as /health does.
+GET_REPLIES = {
+    b"/v1/models": _json_reply({"object": "list", "data": [{"id": MODEL, "object": "model", "created": 1,
+                                                            "owned_by": "bench"}]}),
+    b"/server_info": _json_reply({"served_model_name": MODEL, "version": "bench"}),
+    b"/model_info": _json_reply({"is_generation": True}),
+}
+
+
 class EngineProtocol(asyncio.Protocol):
     """Keep-alive HTTP/1.1: reads whole requests, answers each at once."""
 
@@ -71,8 +87,12 @@ class EngineProtocol(asyncio.Protocol):
                 return
             body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
+            if head.startswith(b"pri * http/2"):  # an HTTP/2 (gRPC) probe: not spoken here, refused at once
+                self.transport.close()
+                return
             if not head.startswith(b"post"):
-                self.transport.write(HEALTH)
+                path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+                self.transport.write(GET_REPLIES.get(path, HEALTH))
             elif b'"stream":true' in body or b'"stream": true' in body:
                 self.transport.write(STREAM_HEAD)
                 events = self.stream if b'"include_usage":true' in body or b'"include_usage": true' in body \
