@@ -24,8 +24,12 @@ from gateway.experiment_share import ExperimentShare
 from gateway.experiment_share import share_loop as experiment_share_loop
 from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
+from gateway.key_admin import create_key, list_keys, revoke_key
+from gateway.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
+from gateway.metrics import LeanHistogram
 from gateway.request import GATEWAY, Exchange, RequestState
 from gateway.reload import RELOADER, Reloader, admin_reload
+from gateway.replica_sync import ReplicaSync
 from gateway.runtime import Gateway, stats_report
 from gateway.state import shared_state
 from gateway.stats_merge import fold_counters, replicas_report, take_summary
@@ -59,6 +63,8 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         # Where the request went (empty: no backend was tried) and why, as on every reply.
         headers["x-shapegate-backend"] = st.backend
         headers["x-shapegate-reason"] = st.reason or (err.code or "error")
+        if g.limiter.held:
+            g.limiter.add_headers(st, headers)  # a key with limits: its x-ratelimit headers on errors too
         return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)
@@ -184,6 +190,36 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
+async def shared_limits(app: web.Application) -> AsyncIterator[None]:
+    """Rate limits in Redis (with Redis state): the scripts loaded up front, settlements sent until the end."""
+    shared = app[GATEWAY].limiter.shared
+    if shared is None:
+        yield
+        return
+    async with shared.running():
+        yield
+
+
+async def loop_health(app: web.Application) -> AsyncIterator[None]:
+    """The loop's lag and GC pauses in /metrics, measured for as long as the app runs."""
+    m = app[GATEWAY].metrics
+    lag = m.loop_lag.labels() if isinstance(m.loop_lag, LeanHistogram) else m.loop_lag  # unlabelled with workers
+    pauses = {gen: m.gc_pause.labels(str(gen)) for gen in (0, 1, 2)}
+    gc_watch = GcWatch(lambda gen, s: pauses[gen].observe(s))
+    gc_watch.install()
+    frozen = app[GATEWAY].cfg.server.gc_freeze
+    if frozen:
+        settle_heap()
+    task = asyncio.create_task(watch_lag(lag.observe, gc_watch), name="loop-lag")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    gc_watch.remove()
+    if frozen:
+        release_heap()
+
+
 async def routing_state(app: web.Application) -> AsyncIterator[None]:
     """Replicas share prefix/session affinity through the configured store, off the request path."""
     g: Gateway = app[GATEWAY]
@@ -207,7 +243,11 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     share = app[EXPERIMENT_SHARE] = ExperimentShare(g.sharing)
     exp_sharing = (asyncio.create_task(experiment_share_loop(share, lambda: g.experiments, stop_sharing),
                                        name="experiment-share") if share.active else None)
+    # Latency learning and breaker openings go to the other replicas and theirs come in (first pulled here).
+    replicas = await ReplicaSync.start(g) if g.sharing.redis is not None else None
+    await g.keys.start()  # run-time keys loaded before the first request, then kept in step with the store
     yield
+    await g.keys.stop()
     for t in list(g.shadow_tasks):
         t.cancel()  # copies are worth nothing once the gateway stops; they never delay a shutdown
     for t in tasks:
@@ -223,6 +263,8 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
         await exp_sharing
     else:
         await share.close()
+    if replicas is not None:
+        await replicas.stop()
     g.access_log.close()
 
 
@@ -256,8 +298,13 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))
+    r.add_get("/admin/keys", guarded(list_keys))
+    r.add_post("/admin/keys", guarded(create_key))
+    r.add_delete("/admin/keys/{id}", guarded(revoke_key))
     r.add_route("*", "/{tail:.*}", guarded(unmatched, key=False))
     app.cleanup_ctx.append(client_session)
     app.cleanup_ctx.append(background_loops)
     app.cleanup_ctx.append(routing_state)
+    app.cleanup_ctx.append(loop_health)
+    app.cleanup_ctx.append(shared_limits)
     return app

@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 
-from gateway import ab_report
+from gateway import ab_report, keys_client
 from gateway.auth import hash_key, new_key
 from gateway.config import ConfigError, GatewayConfig, load_config
 
@@ -123,6 +123,8 @@ def _positive(text: str) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    if args.keys_cmd in ("create", "list", "revoke"):
+        return keys_client.run(args)
     if args.keys_cmd == "new":
         key = new_key()
         print(f"key:    {key}\nsha256: {hash_key(key)}")
@@ -212,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_probe)
     ab_report.add_parser(sub)  # `shapegate ab`: the verdicts of a running gateway's experiments
 
-    k = sub.add_parser("keys", help="make API keys and their digests",
-                       description="API keys are stored in config only as SHA-256 digests.")
+    k = sub.add_parser("keys", help="make API keys and their digests; manage a running gateway's keys",
+                       description="API keys are stored only as SHA-256 digests: in the configuration file "
+                                   "(new, hash) or, made at run time, by the gateway (create, list, revoke).")
     ks = k.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
     kh = ks.add_parser("hash", help="print the sha256 digest of a key (argument, stdin, or prompt)")
     kh.add_argument("key", nargs="?", help="the key (omit to read it from stdin or a prompt)")
     ks.add_parser("new", help="generate a new random key and print it with its digest")
+    keys_client.add_parsers(ks)
     k.set_defaults(func=cmd_keys)
 
     from gateway.sim import main as sim_main  # part of the package: the simulator and the demo always exist

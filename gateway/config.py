@@ -39,12 +39,26 @@ class ServerConfig(Strict):
     max_connections: int = Field(10_000, ge=16)
     # Connections in the middle of sending a request head or body; past it the oldest one gets a 408.
     max_reading_connections: int = Field(1024, ge=1)
+    # Start-up's objects frozen out of garbage collection before serving (gateway/loop_watch.py).
+    gc_freeze: bool = True
+
+
+class RateLimit(Strict):
+    """Requests and tokens per minute; None: no limit of that kind."""
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+
+
+class KeyLimits(RateLimit):
+    # Per public model, on top of the key's own limits (a request needs room in both).
+    models: dict[str, RateLimit] = {}
 
 
 class ApiKey(Strict):
     id: str = Field(min_length=1)
     sha256: str
     admin: bool = False
+    limits: KeyLimits | None = None  # None: the [limits] defaults
 
     @field_validator("sha256")
     @classmethod
@@ -62,6 +76,8 @@ class ApiKey(Strict):
 class AuthConfig(Strict):
     enabled: bool = True
     keys: tuple[ApiKey, ...] = ()
+    # Keys made at run time (POST /admin/keys) persist here when [state] is not Redis; None: kept in memory.
+    keys_file: str | None = None
 
     @model_validator(mode="after")
     def _keys_when_enabled(self) -> "AuthConfig":
@@ -158,6 +174,13 @@ class AdmissionConfig(Strict):
             if name not in CLASS_NAMES:
                 raise ValueError(f"unknown class {name!r}; expected one of {', '.join(CLASS_NAMES)}")
         return v
+
+
+class LimitsConfig(KeyLimits):
+    """[limits]: every key's defaults (rpm, tpm, per-model limits); a key's own `limits` replace them."""
+
+    # With Redis state: the longest a request waits for the shared buckets before this process decides alone.
+    redis_timeout_s: float = Field(0.05, gt=0, le=5)
 
 
 class StateConfig(Strict):
@@ -326,6 +349,7 @@ class ProbeConfig(Strict):
 class GatewayConfig(Strict):
     server: ServerConfig = ServerConfig()
     auth: AuthConfig = AuthConfig(enabled=False)
+    limits: LimitsConfig = LimitsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     routing: RoutingConfig = RoutingConfig()
     shape: ShapeConfig = ShapeConfig()

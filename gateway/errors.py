@@ -91,6 +91,17 @@ def overloaded(model: str, status: int, retry_after: int) -> GatewayError:
                         headers={"Retry-After": str(retry_after)})
 
 
+def rate_limited(message: str, kind: str, retry_after: float | None, headers: Mapping[str, str]) -> GatewayError:
+    """A key's rate limit (kind: "requests" or "tokens", as OpenAI's `type`). Without retry_after the request can
+    never pass as it is: OpenAI's SDKs are told not to retry it."""
+    h = dict(headers)
+    if retry_after is None:
+        h["x-should-retry"] = "false"
+    else:
+        h["Retry-After"] = retry_after_header(retry_after)
+    return GatewayError(429, message, type=kind, code="rate_limit_exceeded", headers=h)
+
+
 def shutting_down() -> GatewayError:
     return GatewayError(503, "The gateway is shutting down; retry the request.", code="shutting_down",
                         headers={"Retry-After": "1"})

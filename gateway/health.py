@@ -27,7 +27,7 @@ class Breaker:
     """Opens after consecutive failures or on an engine's Retry-After; half-open lets one trial through."""
 
     __slots__ = ("threshold", "open_s", "failures", "opened_until", "trial_in_flight", "last_failure", "_state",
-                 "openings")
+                 "openings", "on_open")
 
     def __init__(self, threshold: int, open_s: float) -> None:
         self.threshold = threshold
@@ -38,6 +38,9 @@ class Breaker:
         self.trial_in_flight = False
         self.last_failure = float("-inf")
         self._state = CLOSED
+        # Called with `opened_until` each time a failure seen here opens it (other replicas are told: see
+        # gateway.replica_sync); it runs on the request path, so it only takes note.
+        self.on_open: Callable[[float], None] | None = None
 
     def state(self, now: float) -> str:
         if self._state == OPEN and now >= self.opened_until:
@@ -71,12 +74,28 @@ class Breaker:
         self.failures += 1
         self.last_failure = now
         if hold_s is not None or self._state == HALF_OPEN or self.failures >= self.threshold:
-            if self._state != OPEN or now >= self.opened_until:  # a failure while already open is no new opening
+            opening = self._state != OPEN or now >= self.opened_until  # a failure while open is no new opening
+            if opening:
                 self.openings += 1
             self._state = OPEN
             # A longer hold already in force (an engine's Retry-After) is never shortened by a later failure.
             self.opened_until = max(self.opened_until, now + (hold_s if hold_s is not None else self.open_s))
             self.trial_in_flight = False
+            if opening and self.on_open is not None:
+                self.on_open(self.opened_until)
+
+    def hold(self, until: float, now: float) -> bool:
+        """Another replica's breaker opened on this engine: stay open until `until` as if it had opened here,
+        then let one trial through as usual. Not counted among this breaker's openings and never passed on
+        (no echo between replicas); False when it was already open for at least that long."""
+        if self.state(now) == OPEN and self.opened_until >= until:
+            return False
+        self._state = OPEN
+        self.opened_until = max(self.opened_until, until)
+        self.trial_in_flight = False
+        # Requests already running here that then succeed must not close it: they started before the news.
+        self.last_failure = max(self.last_failure, now)
+        return True
 
     def release(self) -> None:
         """The attempt ended with no verdict on the engine (client left, cancelled): free the trial slot."""

@@ -10,26 +10,42 @@ from typing import Any, Callable
 TICK_S = 0.05  # the lag probe's period: 20 wake-ups a second cost nothing measurable
 
 
-async def watch_lag(observe: Callable[[float], None]) -> None:
-    """Forever: sleep TICK_S and record how much later than asked the loop woke this task up."""
+async def watch_lag(observe: Callable[[float], None], gc_watch: GcWatch | None = None) -> None:
+    """Forever: sleep TICK_S and record how much later than asked the loop woke this task up (and hand the
+    collections timed meanwhile to their histogram)."""
     while True:
         t = perf_counter()
         await asyncio.sleep(TICK_S)
         observe(max(perf_counter() - t - TICK_S, 0.0))
+        if gc_watch is not None:
+            gc_watch.drain()
 
 
 class GcWatch:
-    """A gc callback timing each collection; installed once per process, removed at shutdown."""
+    """A gc callback timing each collection; installed once per process, removed at shutdown.
+
+    The callback only appends to a list: a collection can start inside any allocation, also inside a metric's
+    observe() holding that metric's (non-reentrant) lock, so observing from the callback could deadlock. The
+    lag task hands the pauses to `observe` between ticks.
+    """
+
+    MAX_PENDING = 10_000
 
     def __init__(self, observe: Callable[[int, float], None]) -> None:
         self._observe = observe
         self._start = 0.0
+        self._pending: list[tuple[int, float]] = []
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._start = perf_counter()
-        else:
-            self._observe(info["generation"], perf_counter() - self._start)
+        elif len(self._pending) < self.MAX_PENDING:
+            self._pending.append((info["generation"], perf_counter() - self._start))
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for generation, seconds in pending:
+            self._observe(generation, seconds)
 
     def install(self) -> None:
         gc.callbacks.append(self)

@@ -21,6 +21,7 @@ from gateway.contracts import OK, REJECTED
 TTFT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 HEALTH_STATES = ("starting", "ready", "unhealthy", "draining")
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -282,6 +283,25 @@ class Metrics:
                                         ["experiment", "arm", "output"])
         self.log_dropped = counter("shapegate_access_log_dropped", "Access log lines dropped because stdout "
                                    "did not keep up")
+        # Rate limits: labels are the two kinds and three reasons, never a key.
+        self.limit_refusals = counter("shapegate_ratelimit_refused", "Requests refused by a key's rate limit, by "
+                                      "the kind of limit that ran out (requests, tokens)", ["kind"])
+        self.limit_local_decisions = counter("shapegate_ratelimit_local_decisions", "Rate-limit checks this process "
+                                             "decided on its own share of the limit because the shared Redis buckets "
+                                             "did not answer (timeout, error) or were known down (unavailable)",
+                                             ["reason"])
+        self._limit_refused = {k: self.limit_refusals.labels(k) for k in ("requests", "tokens")}
+        self._limit_local = {r: self.limit_local_decisions.labels(r) for r in ("timeout", "error", "unavailable")}
+        # Replicas sharing Redis (gateway/replica_sync.py): what came in from the others, and failed rounds.
+        self.replica_imports = counter("shapegate_replica_imports", "Taken from other replicas: requests their "
+                                       "latency models learned from (latency), breaker openings (breaker)", ["kind"])
+        self.replica_sync_errors = counter("shapegate_replica_sync_errors", "Rounds of sharing latency learning "
+                                           "and breaker openings that Redis failed")
+        # The event loop's own health (gateway/loop_watch.py): how late its timers fire, GC pauses.
+        self.loop_lag = histogram("shapegate_event_loop_lag_seconds", "How late a 50 ms timer of the event loop "
+                                  "fired (work or a pause that held the loop)", [], LOOP_LAG_BUCKETS)
+        self.gc_pause = histogram("shapegate_gc_pause_seconds", "Garbage collections, by the oldest generation "
+                                  "collected", ["generation"], LOOP_LAG_BUCKETS)
         Gauge("shapegate_workers", "Gateway worker processes serving", registry=r,
               multiprocess_mode="livesum").set(1)
         if self.multiprocess_dir:
@@ -414,8 +434,20 @@ class Metrics:
     def agreement(self, name: str, arm: str, same: bool) -> None:
         self.shadow_agreement.labels(name, arm, "same" if same else "differs").inc()
 
+    def limit_refused(self, kind: str) -> None:
+        self._limit_refused[kind].inc()
+
+    def limit_local(self, reason: str) -> None:
+        self._limit_local[reason].inc()
+
     def log_drop(self, lines: int) -> None:
         self.log_dropped.inc(lines)
+
+    def replica_import(self, kind: str, n: int) -> None:
+        self.replica_imports.labels(kind).inc(n)
+
+    def replica_sync_error(self) -> None:
+        self.replica_sync_errors.inc()
 
     def refresh(self) -> None:
         """Write this worker's pool view for the other workers' scrapes (a no-op in one process)."""

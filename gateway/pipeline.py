@@ -66,6 +66,9 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
+    plan = g.limiter.plan(st.principal, shape.model, g.cfg.limits)  # None for a key without rate limits
+    if plan is not None:
+        await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, g.cfg.limits)  # or a 429
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     now = time.monotonic()

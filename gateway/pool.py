@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import aiohttp
 
@@ -113,10 +113,24 @@ class Pool:
         self._by_id: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
         self._draining: list[BackendState] = []
+        self._on_breaker_open: Callable[[str, float], None] | None = None
         for b in backends:
             self.add(b)
 
+    def watch_breakers(self, listener: Callable[[str, float], None]) -> None:
+        """Call listener(backend id, opened_until) whenever a failure opens a backend's breaker, for the backends
+        there are and those a reload adds."""
+        self._on_breaker_open = listener
+        for b in self._by_id.values():
+            self._watch(b)
+
+    def _watch(self, b: BackendState) -> None:
+        listener, bid = self._on_breaker_open, b.id
+        if listener is not None:
+            b.breaker.on_open = lambda until: listener(bid, until)
+
     def add(self, b: BackendState) -> None:
+        self._watch(b)
         self._by_id[b.id] = b
         for public in b.models:
             self._by_model.setdefault(public, []).append(b)

@@ -22,7 +22,8 @@ log = logging.getLogger("shapegate.reload")
 # a reload keeps the running values and says a restart is needed for them.
 RESTART_ONLY = (("server", "host"), ("server", "port"), ("server", "shutdown_grace_s"),
                 ("upstream", "connect_timeout_s"), ("upstream", "idle_timeout_s"), ("upstream", "pool_limit"),
-                ("upstream", "pool_limit_per_backend"), ("upstream", "keepalive_s"), ("state", None))
+                ("upstream", "pool_limit_per_backend"), ("upstream", "keepalive_s"), ("state", None),
+                ("auth", "keys_file"))
 # What identifies an engine connection: a backend whose id stays but one of these changes is replaced.
 IDENTITY = ("url", "engine", "api_key_env")
 
@@ -66,7 +67,7 @@ def plan(old: GatewayConfig, new: GatewayConfig) -> ReloadPlan:
 def apply(g, new: GatewayConfig) -> ReloadPlan:
     """Build everything the new config needs, then swap it in with no await in between."""
     p = plan(g.cfg, new)
-    auth = Authenticator(new.auth)
+    auth = Authenticator(new.auth, g.keys)  # the run-time keys belong to the gateway: they stay
     # Unchanged routing keeps the policies and what they learned.
     routing = build_routing(new) if new.routing != g.cfg.routing else (g.default_policy, g.model_policies)
     old_cfg = g.cfg

@@ -22,6 +22,9 @@ from gateway.context import PromptSizer
 from gateway.experiments import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
 from gateway.headers import safe_value
+from gateway.keystore import KeyStore
+from gateway.limits import Limiter
+from gateway.limits_redis import SharedBuckets
 from gateway.metrics import Metrics
 from gateway.request import RequestState
 from gateway.pool import BackendState, Pool
@@ -133,7 +136,9 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, session: aiohttp.ClientSession | None = None) -> None:
         self.cfg = cfg
         self.session = session
-        self.auth = Authenticator(cfg.auth)
+        # Keys made at run time: kept by the gateway, not the Authenticator, so that a reload keeps them.
+        self.keys = KeyStore.for_config(cfg)
+        self.auth = Authenticator(cfg.auth, self.keys)
         self.set_routing(*build_routing(cfg))
         # Prefix/session -> backend. Always built (empty it costs nothing), used only while some policy
         # needs it, so that a reload that switches to such a policy finds it ready.
@@ -153,6 +158,7 @@ class Gateway:
         self.shadow_tasks: set = set()  # copies in flight (gateway/shadow.py): cancelled at shutdown
         self.experiments_cache = None  # the last /admin/experiments report (gateway/experiment_admin.py)
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
+        self.limiter = self._limiter(cfg)
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
@@ -161,6 +167,14 @@ class Gateway:
         self.stopping = False
         self.cutting = False
         self.streams: set = set()
+
+    def _limiter(self, cfg: GatewayConfig) -> Limiter:
+        """Rate limits: in Redis when the state is (each process on its share of a limit while Redis does not
+        answer: a limit over the processes it last saw publish there), else per process (one worker's share)."""
+        sharing = self.sharing
+        if cfg.state.backend == "redis":
+            return Limiter(self.metrics, lambda: max(len(sharing.remote), 1), SharedBuckets(cfg.state, self.metrics))
+        return Limiter(self.metrics, lambda: sharing.expected)
 
     def set_routing(self, default_policy: Policy, model_policies: dict[str, Policy]) -> None:
         """The routing policies in use (at start, and on a reload that changed [routing])."""
@@ -221,6 +235,8 @@ class Gateway:
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
             h[ARM_HEADER] = arm_of(st)
+        if self.limiter.held:  # a key with limits: OpenAI's x-ratelimit headers
+            self.limiter.add_headers(st, h)
         return h
 
     # -- record stage ----------------------------------------------------------------------------
@@ -250,6 +266,8 @@ class Gateway:
     def finish(self, st: RequestState, status: int) -> None:
         """A request's end, however it ended (served, failed over, refused, client gone): a refusal is counted
         here (each attempt on a backend was, in record), the routing reason by class, and its access-log line."""
+        if self.limiter.held:
+            self.limiter.settle(st)  # its tokens from the usage the reply reported
         shape, result = st.shape, request_result(st.outcome, status)
         klass = shape.klass if shape is not None else ""
         if result == REJECTED:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from gateway import sketch
 from gateway.config import LatencyHints
@@ -53,7 +53,7 @@ class DecayingRidge:
 
     def _decay(self, now: float) -> None:
         if now > self.last:
-            if self.a[0]:
+            if any(self.a):  # (not a[0] alone: ITL equations leave it at zero)
                 f = 0.5 ** ((now - self.last) / self.half_life)
                 self.a = [v * f for v in self.a]
                 self.b = [v * f for v in self.b]
@@ -80,6 +80,18 @@ class DecayingRidge:
             base = i * n
             for j in nz:
                 a[base + j] += wi * row[j]
+
+    def moments(self, now: float) -> list[float]:
+        """The weighted sums as of `now` (a, then b): the whole state of the fit, which adds across fits."""
+        self._decay(now)
+        return [*self.a, *self.b]
+
+    def absorb(self, moments: Sequence[float], now: float) -> None:
+        """Add another fit's sums, taken as of `now`: as if its samples had been added here."""
+        self._decay(now)
+        k = self.n * self.n
+        self.a = [x + y for x, y in zip(self.a, moments[:k])]
+        self.b = [x + y for x, y in zip(self.b, moments[k:])]
 
     def weight(self, now: float) -> float:
         """Effective number of samples left after forgetting."""
@@ -141,6 +153,9 @@ class LatencyModel:
         self._svc_prior = (t0 + 256 * itl_a,) if hints.itl_ms else (PRIOR_SERVICE_S,)
         self._fit = DecayingRidge(4, half_life_s)
         self._svc = DecayingRidge(0, half_life_s)
+        # The part of both that other replicas taught (gateway.replica_sync): what is left is this process's own.
+        self._taken = (DecayingRidge(4, half_life_s), DecayingRidge(0, half_life_s))
+        self.imported = 0  # requests other replicas learned from, folded in here
         self.warmup_samples = warmup_samples
         self._skip = 0
         self._ready_since: float | None = None
@@ -194,7 +209,7 @@ class LatencyModel:
     def engine_prior(self, ttft: float | None, itl: float | None, prefill_rate: float | None) -> bool:
         """At cold start, take the engine's own figures (gateway.engine_latency) as the prior; False (and
         nothing changed) once the model has COLD_SAMPLES samples of its own."""
-        if self.samples >= COLD_SAMPLES:
+        if self.samples + self.imported >= COLD_SAMPLES:
             return False
         t0, slope, per_running, a0, b = self._prior
         if prefill_rate:
@@ -206,6 +221,26 @@ class LatencyModel:
         self._prior = (t0, slope, per_running, a0, b)
         self._cached, self._dirty = None, True
         return True
+
+    @property
+    def half_life(self) -> float:
+        return self._fit.half_life
+
+    def own_moments(self, now: float) -> tuple[list[float], list[float]]:
+        """The sums of the fit and of the service time this process learned itself (as of `now`): all it holds
+        less what other replicas taught it, so that their learning never goes back to them."""
+        fit, svc = self._fit.moments(now), self._svc.moments(now)
+        taken_fit, taken_svc = self._taken[0].moments(now), self._taken[1].moments(now)
+        return [x - y for x, y in zip(fit, taken_fit)], [x - y for x, y in zip(svc, taken_svc)]
+
+    def absorb(self, fit: Sequence[float], svc: Sequence[float], requests: int, now: float) -> None:
+        """Fold in what another replica learned from `requests` requests: sums in own_moments' form, as of `now`."""
+        self._fit.absorb(fit, now)
+        self._svc.absorb(svc, now)
+        self._taken[0].absorb(fit, now)
+        self._taken[1].absorb(svc, now)
+        self.imported += requests
+        self._dirty = True
 
     def _predicted_e2e(self, uncached: float, running: float, steps: float, streams: float) -> float:
         """What the current fit predicts for a reply: the scale of that reply's equation (never below 1 ms)."""

@@ -39,3 +39,29 @@ async def test_lag_and_gc_pauses_are_measured_and_startup_objects_frozen():
         await gw.stop()
         await engine.stop()
     assert gc.get_freeze_count() == 0  # released at shutdown: a process running many gateways keeps nothing
+
+
+def test_a_collection_inside_a_metric_lock_does_not_wait_for_that_lock():
+    # A collection can start inside any allocation, also one made while a metric holds its lock (prometheus'
+    # multiprocess values take a non-reentrant one): the callback must not need that lock then.
+    import threading
+
+    from gateway.loop_watch import GcWatch
+
+    lock = threading.Lock()
+    seen: list[tuple[int, float]] = []
+
+    def observe(generation: int, seconds: float) -> None:
+        assert lock.acquire(timeout=1), "the GC callback waited for a lock its own thread holds"
+        seen.append((generation, seconds))
+        lock.release()
+
+    watch = GcWatch(observe)
+    watch.install()
+    try:
+        with lock:
+            gc.collect()
+        watch.drain()
+    finally:
+        watch.remove()
+    assert any(gen == 2 for gen, _ in seen)

@@ -11,20 +11,10 @@ import redis.asyncio as redis_asyncio
 from gateway.config import ShapeConfig
 from gateway.shape import classify
 from gateway.state import AffinityIndex, MemoryStore, RedisStore, StoreError
-from tests.needs import skip_or_fail
+from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 CFG = ShapeConfig()
 
-
-async def _redis_up() -> bool:
-    client = redis_asyncio.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5)
-    try:
-        return bool(await client.ping())
-    except (OSError, redis_asyncio.RedisError):
-        return False
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -34,7 +24,7 @@ async def store(request):
         yield s
         await s.close()
         return
-    if not await _redis_up():
+    if not await redis_up():
         skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
     prefix = f"shapegate-test:{secrets.token_hex(6)}:"  # unique per test, removed afterwards
     s = RedisStore.from_url(REDIS_URL, prefix, ttl_s=60.0, timeout_s=1.0, max_entries=1000)
@@ -89,7 +79,7 @@ async def test_two_replicas_share_affinity(store):
 
 
 async def test_redis_stream_is_trimmed_by_count():
-    if not await _redis_up():
+    if not await redis_up():
         skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
     prefix = f"shapegate-test:{secrets.token_hex(6)}:"
     s = RedisStore.from_url(REDIS_URL, prefix, ttl_s=60.0, timeout_s=1.0, max_entries=10)

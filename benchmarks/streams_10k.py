@@ -1,0 +1,214 @@
+"""10,000 concurrent slow streams through one gateway process: memory per stream, loop lag, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_tail import loop_figures  # noqa: E402
+from overhead import KEY, cpu_seconds, free_port, wait_http  # noqa: E402
+from routing_conditions import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FILES = 65_536  # two sockets per stream in the gateway; raised as far as the process may (root, CAP_SYS_RESOURCE)
+SPARE_FILES = 200  # the gateway's own: listening socket, log, probes, scrapes of /metrics, Redis
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def more_files() -> None:
+    """Open files up to FILES if this process may raise its hard limit, else up to the hard limit."""
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FILES, FILES))
+    except (ValueError, OSError):
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def stream_room() -> int:
+    """How many streams one process can hold here: two sockets each, under the open-files limit it can get."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import resource; print(resource.getrlimit("
+                              "resource.RLIMIT_NOFILE)[0])"], preexec_fn=more_files, capture_output=True,
+                             text=True, check=True).stdout
+        return (int(out) - SPARE_FILES) // 2
+    except (subprocess.CalledProcessError, ValueError):
+        return 0
+
+
+def config(path: Path, engine: str, streams: int) -> Path:
+    from gateway.auth import hash_key
+    room = streams + 1000
+    path.write_text(f"""
+[server]
+max_connections = {room}
+max_reading_connections = {room}
+[upstream]
+pool_limit = {room}
+pool_limit_per_backend = {room}
+[[auth.keys]]
+id = "bench"
+sha256 = "{hash_key(KEY)}"
+[health]
+warmup = false
+[[backends]]
+id = "slow"
+engine = "openai"
+url = "{engine}"
+models = ["bench"]
+""")
+    return path
+
+
+def lag_quantile(d: dict[str, float], q: float) -> float | None:
+    """The upper bound of the lag bucket holding quantile q of the window's samples (Prometheus' le)."""
+    buckets = sorted((float(k.split('le="')[1].rstrip('"}')), v) for k, v in d.items()
+                     if k.startswith("shapegate_event_loop_lag_seconds_bucket"))
+    total = d.get("shapegate_event_loop_lag_seconds_count", 0.0)
+    for le, count in buckets:
+        if total and count >= q * total:
+            return le
+    return None
+
+
+def gc_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, list[float]]:
+    """Per generation: collections and their pause in ms between two scrapes."""
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    return {str(g): [d(f'shapegate_gc_pause_seconds_count{{generation="{g}"}}'),
+                     1000 * d(f'shapegate_gc_pause_seconds_sum{{generation="{g}"}}')] for g in (0, 1, 2)}
+
+
+def measure(args) -> dict:
+    room = stream_room()
+    cond = {**machine(), "command": "python3 benchmarks/streams_10k.py " + " ".join(sys.argv[1:]),
+            "asked": args.streams, "room": room, "streams": min(args.streams, room), "rate": args.rate, "hold_s": args.hold, "interval_s": 1.0}
+    args.streams = cond["streams"]
+    tokens = int(args.streams / args.rate + args.hold + 10)
+    out: dict = {"conditions": cond, "tokens_per_stream": tokens}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        eport, gport = free_port(), free_port()
+        try:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "slow_engine.py"), "--port",
+                                           str(eport), "--tokens", str(tokens)], preexec_fn=more_files))
+            wait_http(f"http://127.0.0.1:{eport}/health")
+            cfg = config(tmp / "gw.toml", f"http://127.0.0.1:{eport}", args.streams)
+            gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
+                                   str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=tmp.joinpath("gw.log").open("wb"),
+                                  preexec_fn=more_files)
+            procs.append(gw)
+            base = f"http://127.0.0.1:{gport}"
+            wait_http(base + "/readyz")
+            time.sleep(1.0)
+            out["rss_idle_mb"] = rss_mb(gw.pid)
+            f_idle = loop_figures(base)
+            client = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "streams_client.py"), "--port",
+                                       str(gport), "--streams", str(args.streams), "--rate", str(args.rate),
+                                       "--key", KEY], stdout=subprocess.PIPE, text=True, preexec_fn=more_files)
+            procs.append(client)
+            assert client.stdout is not None
+            opened = json.loads(client.stdout.readline() or "{}")
+            out["all_open"] = opened
+            time.sleep(2.0)  # the last streams' heads and first tokens
+            f0, c0, t0 = loop_figures(base), cpu_seconds(gw.pid), time.monotonic()
+            peak = rss_mb(gw.pid)
+            window = max(args.hold - 4.0, 2.0)
+            while time.monotonic() - t0 < window:
+                time.sleep(1.0)
+                peak = max(peak, rss_mb(gw.pid))
+            f1, c1, t1 = loop_figures(base), cpu_seconds(gw.pid), time.monotonic()
+            lag = {k: v - f0.get(k, 0.0) for k, v in f1.items()}
+            out.update(rss_held_mb=peak, window_s=t1 - t0, cpu_share=(c1 - c0) / (t1 - t0),
+                       lag_samples=lag.get("shapegate_event_loop_lag_seconds_count", 0.0),
+                       lag_p50_le_s=lag_quantile(lag, 0.5), lag_p99_le_s=lag_quantile(lag, 0.99),
+                       lag_max_le_s=lag_quantile(lag, 1.0), gc_ramp=gc_figures(f_idle, f0), gc_window=gc_figures(f0, f1))
+            rest = client.stdout.read()
+            client.wait(timeout=tokens + 60)
+            out["client"] = json.loads(rest.strip().splitlines()[-1])
+            out["rss_after_mb"] = rss_mb(gw.pid)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                p.wait(timeout=15)
+    out["conditions"]["load_after"] = os.getloadavg()
+    return out
+
+
+def markdown(r: dict) -> str:
+    c, cl = r["conditions"], r["client"]
+    per_stream_kb = (r["rss_held_mb"] - r["rss_idle_mb"]) * 1024 / max(cl["opened"], 1)
+    errors = cl["requested"] - cl["completed"]
+    lag99 = r["lag_p99_le_s"]
+    checks = [("RSS under 1 GB with every stream open", r["rss_held_mb"] < 1024, f"{r['rss_held_mb']:,.0f} MB"),
+              ("0 errors", errors == 0, f"{errors} of {cl['requested']} streams did not end with [DONE] "
+                                        f"(statuses {cl['statuses']}, {cl['connect_errors']} connect errors)"),
+              ("loop lag p99 under 10 ms", lag99 is not None and lag99 <= 0.01,
+               f"p99 within the {lag99 * 1000:g} ms bucket" if lag99 is not None else "no samples")]
+    return "\n".join([
+        "# 10,000 concurrent streams in one gateway process", "",
+        f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
+                                                       if c["dirty_paths"] else "")
+        + f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
+        f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`.", "",
+        f"One gateway process (default config but for connection limits raised to fit {c['streams']:,} streams, "
+        "access log on to /dev/null, API-key auth) in front of `benchmarks/slow_engine.py`, which sends one token "
+        f"per stream every {c['interval_s']:g} s ({r['tokens_per_stream']} tokens each); "
+        f"`benchmarks/streams_client.py` opens {c['streams']:,} streams at {c['rate']:g} a second and holds "
+        "each to its end. Engine, gateway and client share the machine's cores. Memory is the gateway's RSS; "
+        "lag is its own `shapegate_event_loop_lag_seconds` over the window while every stream was open.", "",
+        "| figure | value |", "|---|---|",
+        f"| streams opened / completed with [DONE] | {cl['opened']:,} / {cl['completed']:,} |",
+        f"| time to open them all | {r['all_open']['seconds']:.1f} s |",
+        f"| gateway RSS idle -> all open | {r['rss_idle_mb']:,.0f} MB -> {r['rss_held_mb']:,.0f} MB |",
+        f"| memory per open stream | {per_stream_kb:,.1f} KB |",
+        f"| gateway CPU while all open | {r['cpu_share']:.0%} of one core over {r['window_s']:.0f} s |",
+        f"| loop lag p50 / p99 (bucket bounds) | {r['lag_p50_le_s'] * 1000:g} ms / {lag99 * 1000:g} ms "
+        f"({r['lag_samples']:.0f} samples; every sample within {(r['lag_max_le_s'] or 0) * 1000:g} ms) |"
+        if lag99 is not None and r["lag_p50_le_s"] is not None else "| loop lag | no samples |",
+        f"| tokens received by the client | {cl['tokens']:,} |",
+        *[f"| garbage collections {when} (generation: count, pause) | "
+          + "; ".join(f"{g}: {int(n)}, {ms:,.1f} ms" for g, (n, ms) in r[key].items()) + " |"
+          for when, key in (("while streams opened", "gc_ramp"), ("while all open", "gc_window")) if key in r],
+        "",
+        *([f"The open-files limit this machine grants a process ({(c['room'] * 2 + SPARE_FILES):,}, not raisable "
+           f"here) holds at most {c['room']:,} streams of two sockets each: {c['streams']:,} were run, not "
+           f"{c['asked']:,}.", ""] if c["streams"] < c["asked"] else []),
+        "## Checks", "", *[f"- {name}: {'met' if ok else 'NOT met'} ({how})." for name, ok, how in checks], ""])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--streams", type=int, default=10_000)
+    ap.add_argument("--rate", type=float, default=500.0)
+    ap.add_argument("--hold", type=float, default=30.0, help="seconds with every stream open")
+    ap.add_argument("--render", action="store_true")
+    a = ap.parse_args()
+    path = RESULTS / "streams_10k.json"
+    r = json.loads(path.read_text()) if a.render else measure(a)
+    if not a.render:
+        path.write_text(json.dumps(r, indent=1))
+    (RESULTS / "streams_10k.md").write_text(markdown(r))
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()
