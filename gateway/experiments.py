@@ -7,7 +7,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from gateway.config import ExperimentConfig
+from gateway.config_experiments import ExperimentConfig
 from gateway.contracts import ENGINE_ERROR, OK, Decision, Outcome, Policy, RequestShape, RouteInput
 from gateway.errors import GatewayError, bad_request
 from gateway.verdict import METRICS, Reservoir, compare, describe, summary

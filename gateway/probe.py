@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 
 from backends.openai_http import printable
-from gateway.config import PROBE_CHECKS as CHECKS
+from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.probe_checks import (
     ERROR,

@@ -6,7 +6,7 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.probe import probe_all, render
-from gateway.config import PROBE_CHECKS as CHECKS
+from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.probe_checks import NO, YES
 from gateway.runtime import build_policy
 from tests.e2e.engines import EngineHandle

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.config import PROBE_CHECKS as CHECKS
+from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.sim.runner import SimOptions, start_sim
 from tests.fake_engine import free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
