@@ -63,8 +63,8 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         # Where the request went (empty: no backend was tried) and why, as on every reply.
         headers["x-shapegate-backend"] = st.backend
         headers["x-shapegate-reason"] = st.reason or (err.code or "error")
-        if g.limiter.held:
-            g.limiter.add_headers(st, headers)  # a key with limits: its x-ratelimit headers on errors too
+        if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
+            headers.update(st.limit.headers)
         return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)

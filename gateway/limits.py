@@ -136,39 +136,53 @@ class Buckets:
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
-        self._state: dict[str, list[float]] = {}
-
-    def _level(self, name: str, cap: float, now: float) -> float:
-        s = self._state.get(name)
-        return cap if s is None else min(cap, s[0] + (now - s[1]) * cap / 60.0)  # a monotonic clock
+        self._state: dict[str, list[float]] = {}  # name -> [level, taken at] (a monotonic clock)
 
     def take(self, needs: tuple[Need, ...], caps: tuple[float, ...],
              costs: tuple[int, ...]) -> tuple[int, list[float]]:
         """(index of the first bucket without room, or -1 when all had room and were charged; levels after)."""
         now = self.clock()
+        get = self._state.get
+        found = []
+        levels = []
+        short = -1
+        for i, n in enumerate(needs):  # one pass: the per-request path
+            s = get(n.name)
+            cap = caps[i]
+            level = cap if s is None else s[0] + (now - s[1]) * cap / 60.0
+            if level > cap:
+                level = cap
+            if short < 0 and level < costs[i]:
+                short = i
+            found.append(s)
+            levels.append(level)
+        if short >= 0:
+            return short, levels
         state = self._state
-        found = [state.get(n.name) for n in needs]
-        levels = [cap if s is None else min(cap, s[0] + (now - s[1]) * cap / 60.0) for s, cap in zip(found, caps)]
-        for i, cost in enumerate(costs):
-            if levels[i] < cost:
-                return i, levels
         for i, s in enumerate(found):
             level = levels[i] = levels[i] - costs[i]
             if s is None:
                 state[needs[i].name] = [level, now]
             else:
-                s[0], s[1] = level, now
+                s[0] = level
+                s[1] = now
         return -1, levels
 
     def adjust(self, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
         """Charge `delta` more tokens (a refund when negative) once a request's usage is known."""
         now = self.clock()
+        state = self._state
         for n, cap in zip(needs, caps):
-            level = min(cap, self._level(n.name, cap, now) - delta)
+            s = state.get(n.name)
+            level = cap if s is None else s[0] + (now - s[1]) * cap / 60.0
+            level = (cap if level > cap else level) - delta
             if level >= cap:
-                self._state.pop(n.name, None)  # full: the same as never used
+                state.pop(n.name, None)  # full: the same as never used
+            elif s is None:
+                state[n.name] = [level, now]
             else:
-                self._state[n.name] = [level, now]
+                s[0] = level
+                s[1] = now
 
     def clear(self) -> None:
         self._state.clear()
@@ -228,8 +242,8 @@ class Limiter:
         if shared is not None:
             shared.on_recover = self.local.clear  # each outage starts from full local buckets
         self.local_share = local_share  # how many processes split a limit when this one enforces it alone
-        self.held: dict[RequestState, Reservation] = {}  # requests in flight that took from a bucket
         self._plans: dict[tuple[str, str], tuple[RateLimit, Plan | None]] = {}
+        self.unsettled = 0  # requests that took from a bucket and have not ended yet
 
     def plan(self, principal: Principal, model: str, defaults: LimitsConfig) -> Plan | None:
         """The buckets a request of this key for this model draws from; None (at once) for a key without limits."""
@@ -269,18 +283,14 @@ class Limiter:
             self.metrics.limit_refused(needs[refused].kind)
             assert st.principal is not None  # checked before the pipeline runs
             raise refusal(st.principal.id, needs, caps, levels, costs, hdrs)
-        self.held[st] = Reservation(hdrs, tokens, plan, token_caps, result is not None)
+        st.limit = Reservation(hdrs, tokens, plan, token_caps, result is not None)
+        self.unsettled += 1
 
-    def add_headers(self, st: RequestState, h: dict[str, str]) -> None:
-        """The x-ratelimit headers of a request that took from its key's buckets, onto any of its replies."""
-        r = self.held.get(st)
-        if r is not None:
-            h.update(r.headers)
-
-    def settle(self, st: RequestState) -> None:
-        """At a request's end: its tokens are charged from usage instead of the estimate taken at its start."""
-        r = self.held.pop(st, None)
-        if r is None or not r.token_caps:
+    def settle(self, st: RequestState, r: Reservation) -> None:
+        """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
+        st.limit = None
+        self.unsettled -= 1
+        if not r.token_caps:
             return
         delta = used_tokens(st.outcome) - r.tokens
         if delta == 0:

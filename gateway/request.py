@@ -12,6 +12,7 @@ from gateway.contracts import Outcome, RequestShape
 
 if TYPE_CHECKING:
     from gateway.experiments import Arm, Experiment
+    from gateway.limits import Reservation
     from gateway.runtime import Gateway
     from gateway.shadow import Tap
 
@@ -44,7 +45,7 @@ class RequestState:
     it, its body and shape, where it went and why, and how its last attempt ended."""
 
     __slots__ = ("request_id", "ex", "route", "principal", "t_in", "raw", "body", "shape", "backend", "reason",
-                 "outcome", "split", "shadow", "tap")
+                 "outcome", "split", "shadow", "tap", "limit")
 
     def __init__(self, request_id: str, ex: Exchange, route: str) -> None:
         self.request_id = request_id
@@ -61,3 +62,4 @@ class RequestState:
         self.split: Experiment | None = None  # the split experiment whose arms serve this request
         self.shadow: tuple[Experiment, Arm] | None = None  # the shadow experiment and arm a copy may go to
         self.tap: Tap | None = None  # where the reply goes when a copy went out (gateway/shadow.py)
+        self.limit: Reservation | None = None  # what it took from its key's rate limits (gateway/limits.py)

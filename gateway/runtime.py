@@ -235,8 +235,8 @@ class Gateway:
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
             h[ARM_HEADER] = arm_of(st)
-        if self.limiter.held:  # a key with limits: OpenAI's x-ratelimit headers
-            self.limiter.add_headers(st, h)
+        if st.limit is not None:  # a key with limits: OpenAI's x-ratelimit headers
+            h.update(st.limit.headers)
         return h
 
     # -- record stage ----------------------------------------------------------------------------
@@ -266,8 +266,8 @@ class Gateway:
     def finish(self, st: RequestState, status: int) -> None:
         """A request's end, however it ended (served, failed over, refused, client gone): a refusal is counted
         here (each attempt on a backend was, in record), the routing reason by class, and its access-log line."""
-        if self.limiter.held:
-            self.limiter.settle(st)  # its tokens from the usage the reply reported
+        if st.limit is not None:
+            self.limiter.settle(st, st.limit)  # its tokens from the usage the reply reported
         shape, result = st.shape, request_result(st.outcome, status)
         klass = shape.klass if shape is not None else ""
         if result == REJECTED:

@@ -93,7 +93,7 @@ async def test_success_stream_and_error_replies_carry_the_headers_and_refusals_a
         assert m.one("shapegate_ratelimit_refused_total", kind="requests") == 1
         assert m.one("shapegate_ratelimit_refused_total", kind="tokens") == 0
         assert m.value("shapegate_requests_total", status="429", outcome="rejected") == 1
-        assert not gw.state.limiter.held  # every request that took something was settled
+        assert gw.state.limiter.unsettled == 0  # every request that took something was settled
     finally:
         await gw.stop()
 

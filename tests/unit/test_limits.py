@@ -168,15 +168,15 @@ async def test_the_limiter_reserves_refuses_and_settles():
     needs = lim.plan(p, "m", cfg)
     st = request(p)
     await lim.reserve(st, needs, 400, cfg)
-    h: dict[str, str] = {}
-    lim.add_headers(st, h)
+    assert st.limit is not None
+    h = st.limit.headers
     assert h["x-ratelimit-remaining-requests"] == "1" and h["x-ratelimit-remaining-tokens"] == "600"
     st.outcome = outcome(OK, prompt=20, completion=30)
-    lim.settle(st)
-    assert not lim.held
+    lim.settle(st, st.limit)
+    assert lim.unsettled == 0 and st.limit is None
     st2 = request(p)
     await lim.reserve(st2, needs, 100, cfg)
-    assert lim.held[st2].headers["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
+    assert st2.limit is not None and st2.limit.headers["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
     with pytest.raises(GatewayError) as ei:
         await lim.reserve(request(p), needs, 1, cfg)
     e = ei.value
@@ -212,7 +212,7 @@ async def test_each_process_holds_its_share_of_a_limit():
     lim2 = Limiter(Metrics(list), lambda: 4, clock=Clock())
     st = request(p)
     await lim2.reserve(st, needs, 80, cfg)
-    assert lim2.held[st].headers["x-ratelimit-limit-requests"] == "15"
+    assert st.limit is not None and st.limit.headers["x-ratelimit-limit-requests"] == "15"
 
 
 @pytest.mark.parametrize("data, value", [
