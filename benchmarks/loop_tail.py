@@ -13,31 +13,13 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, wait_http  # noqa: E402
+from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, wait_http,  # noqa: E402
+                      write_gateway_config)
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = ("frozen", "unfrozen")
-
-
-def write_config(path: Path, engine: str, freeze: bool) -> Path:
-    from gateway.auth import hash_key
-    path.write_text(f"""
-[server]
-gc_freeze = {str(freeze).lower()}
-[[auth.keys]]
-id = "bench"
-sha256 = "{hash_key(KEY)}"
-[health]
-warmup = false
-[[backends]]
-id = "engine"
-engine = "openai"
-url = "{engine}"
-models = ["bench"]
-""")
-    return path
 
 
 def loop_figures(base: str) -> dict[str, float]:
@@ -82,7 +64,8 @@ def measure(args) -> dict:
             gateways = {}
             for name in TARGETS:
                 gport = free_port()
-                cfg = write_config(tmp / f"{name}.toml", engine, freeze=name == "frozen")
+                cfg = write_gateway_config(tmp / f"{name}.toml", engine,
+                                           server=f"gc_freeze = {str(name == 'frozen').lower()}")
                 p = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg),
                                       "--port", str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
@@ -173,13 +156,19 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="+", default=["nonstream", "stream"], choices=sorted(BODIES))
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
-    out = RESULTS / "loop_tail.json"
-    data = json.loads(out.read_text()) if args.render else measure(args)
-    if not args.render:
-        out.write_text(json.dumps(data, indent=1))
-    (RESULTS / "loop_tail.md").write_text(markdown(data))
-    print(markdown(data))
+    save_and_render("loop_tail", None if args.render else measure(args), markdown)
 
+
+def save_and_render(stem: str, data: dict | None, render) -> None:
+    """Keep a run's data as RESULTS/stem.json (None: re-render the saved one) and write its report stem.md."""
+    out = RESULTS / f"{stem}.json"
+    if data is None:
+        data = json.loads(out.read_text())
+    else:
+        out.write_text(json.dumps(data, indent=1))
+    text = render(data)
+    (RESULTS / f"{stem}.md").write_text(text)
+    print(text)
 
 if __name__ == "__main__":
     main()

@@ -76,12 +76,15 @@ def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict
     return json.loads(line[4:])
 
 
-def write_gateway_config(path: Path, engine_url: str, access_log: bool, stats: bool) -> Path:
-    """The gateway config every run uses: one backend, one key; only logging and stats upkeep vary."""
+def write_gateway_config(path: Path, engine_url: str, access_log: bool = True, stats: bool = True,
+                         server: str = "", sections: str = "") -> Path:
+    """The gateway config the benchmarks run: one backend, one key; logging and stats upkeep vary, and a
+    benchmark may add `[server]` lines and whole sections of its own."""
     from gateway.auth import hash_key
     path.write_text(f"""
 [server]
 access_log = {str(access_log).lower()}
+{server}
 [stats]
 enabled = {str(stats).lower()}
 [[auth.keys]]
@@ -89,6 +92,7 @@ id = "bench"
 sha256 = "{hash_key(KEY)}"
 [health]
 warmup = false
+{sections}
 [[backends]]
 id = "engine"
 engine = "openai"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import loop_figures  # noqa: E402
-from overhead import KEY, cpu_seconds, free_port, wait_http  # noqa: E402
+from loop_tail import loop_figures, save_and_render  # noqa: E402
+from overhead import KEY, cpu_seconds, free_port, wait_http, write_gateway_config  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,28 +51,11 @@ def stream_room() -> int:
         return 0
 
 
-def config(path: Path, engine: str, streams: int) -> Path:
-    from gateway.auth import hash_key
+def room_settings(streams: int) -> tuple[str, str]:
+    """`[server]` lines and an `[upstream]` section with the connection limits raised to fit `streams`."""
     room = streams + 1000
-    path.write_text(f"""
-[server]
-max_connections = {room}
-max_reading_connections = {room}
-[upstream]
-pool_limit = {room}
-pool_limit_per_backend = {room}
-[[auth.keys]]
-id = "bench"
-sha256 = "{hash_key(KEY)}"
-[health]
-warmup = false
-[[backends]]
-id = "slow"
-engine = "openai"
-url = "{engine}"
-models = ["bench"]
-""")
-    return path
+    return (f"max_connections = {room}\nmax_reading_connections = {room}",
+            f"[upstream]\npool_limit = {room}\npool_limit_per_backend = {room}")
 
 
 def lag_quantile(d: dict[str, float], q: float) -> float | None:
@@ -109,7 +92,9 @@ def measure(args) -> dict:
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "slow_engine.py"), "--port",
                                            str(eport), "--tokens", str(tokens)], preexec_fn=more_files))
             wait_http(f"http://127.0.0.1:{eport}/health")
-            cfg = config(tmp / "gw.toml", f"http://127.0.0.1:{eport}", args.streams)
+            server, upstream = room_settings(args.streams)
+            cfg = write_gateway_config(tmp / "gw.toml", f"http://127.0.0.1:{eport}", server=server,
+                                       sections=upstream)
             gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
                                    str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=tmp.joinpath("gw.log").open("wb"),
                                   preexec_fn=more_files)
@@ -202,13 +187,7 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=30.0, help="seconds with every stream open")
     ap.add_argument("--render", action="store_true")
     a = ap.parse_args()
-    path = RESULTS / "streams_10k.json"
-    r = json.loads(path.read_text()) if a.render else measure(a)
-    if not a.render:
-        path.write_text(json.dumps(r, indent=1))
-    (RESULTS / "streams_10k.md").write_text(markdown(r))
-    print(markdown(r))
-
+    save_and_render("streams_10k", None if a.render else measure(a), markdown)
 
 if __name__ == "__main__":
     main()
