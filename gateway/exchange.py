@@ -105,8 +105,9 @@ class FrontExchange:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     # -- the reply ---------------------------------------------------------------------------------
-    def reply(self, status: int, headers: Headers, body: bytes) -> FrontExchange:
-        extra = "" if _has_content_type(headers) else "Content-Type: application/json\r\n"
+    def reply(self, status: int, headers: Headers, body: bytes, lines: str = "") -> FrontExchange:
+        """A whole reply; `lines` are header lines rendered already (`name: value\\r\\n` each)."""
+        extra = lines if _has_content_type(headers) else lines + "Content-Type: application/json\r\n"
         extra += f"Content-Length: {len(body)}\r\nDate: {self.conn.front.date()}\r\n"
         if not self.keep_alive or not self.complete:
             self.keep_alive = False
@@ -125,8 +126,8 @@ class FrontExchange:
         self.started = self.done = True
         return self
 
-    async def open_stream(self, headers: Mapping[str, str]) -> FrontStream:
-        return FrontStream(self, headers)
+    async def open_stream(self, headers: Mapping[str, str], lines: str = "") -> FrontStream:
+        return FrontStream(self, headers, lines)
 
 
 class FrontStream:
@@ -135,12 +136,12 @@ class FrontStream:
 
     __slots__ = ("ex", "head", "status", "chunked")
 
-    def __init__(self, ex: FrontExchange, headers: Mapping[str, str]) -> None:
+    def __init__(self, ex: FrontExchange, headers: Mapping[str, str], lines: str = "") -> None:
         self.ex = ex
         self.status = ex.status = 200
         self.chunked = not ex.http10
         h = {k: v for k, v in headers.items() if k.lower() != "content-type"}
-        extra = f"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nDate: {ex.conn.front.date()}\r\n"
+        extra = f"{lines}Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nDate: {ex.conn.front.date()}\r\n"
         if self.chunked:
             extra += "Transfer-Encoding: chunked\r\n"
         else:

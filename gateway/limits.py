@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from gateway.config import LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_LEFT, OK, Outcome
@@ -49,7 +49,8 @@ class Plan:
     """The buckets one key's requests for one model draw from: the key's own, then the model's on top (a request
     needs room in each), with what every check of them needs worked out once."""
 
-    __slots__ = ("caps", "limit_texts", "needs", "one_per_kind", "token_caps", "token_needs", "tokens_at")
+    __slots__ = ("caps", "common", "line_parts", "limit_texts", "needs", "one_per_kind", "slots", "token_caps",
+                 "token_needs", "token_slots", "tokens_at")
 
     def __init__(self, needs: tuple[Need, ...]) -> None:
         self.needs = needs
@@ -60,9 +61,19 @@ class Plan:
         # Without per-model limits each kind has one bucket: its headers need no search for the tightest.
         self.one_per_kind = len({n.kind for n in needs}) == len(needs)
         self.limit_texts = tuple(str(n.limit) for n in needs)
+        self.line_parts = tuple(LINE_PARTS[n.kind] for n in needs)
+        self.common = self.tokens_at == (False, True)  # a requests and a tokens limit: costs (1, tokens)
+        # This process's state of each bucket, bound by the limiter that uses the plan (Buckets.slots).
+        self.slots: tuple[list[float], ...] = ()
+        self.token_slots: tuple[list[float], ...] = ()
+
+    def bind(self, buckets: Buckets) -> Plan:
+        self.slots = buckets.slots(self.needs)
+        self.token_slots = tuple(s for s, t in zip(self.slots, self.tokens_at) if t)
+        return self
 
     def costs(self, tokens: int) -> tuple[int, ...]:
-        return tuple([tokens if t else 1 for t in self.tokens_at])
+        return (1, tokens) if self.common else tuple([tokens if t else 1 for t in self.tokens_at])
 
 
 def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: RateLimit | None) -> Plan:
@@ -79,7 +90,10 @@ def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: 
 
 def duration(seconds: float) -> str:
     """A duration as OpenAI's headers write it (Go's notation, to the millisecond): 20ms, 1s, 1.5s, 6m0s."""
-    ms = int(seconds * 1000 + 0.5)
+    return duration_ms(int(seconds * 1000 + 0.5))
+
+
+def duration_ms(ms: int) -> str:
     if ms < 1000:
         return f"{ms}ms" if ms > 0 else "0s"
     s, frac = divmod(ms, 1000)
@@ -92,6 +106,10 @@ def duration(seconds: float) -> str:
 
 HEADER_NAMES = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
                 for kind in KINDS}
+# The same triple as reply-head lines: the text before each of the three values (the per-request path joins
+# them with the values in one f-string).
+LINE_PARTS = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
+              for kind, (limit, remaining, reset) in HEADER_NAMES.items()}
 
 
 def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: list[float]) -> dict[str, str]:
@@ -105,101 +123,119 @@ def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: list[float
             tightest[n.kind] = i
     out: dict[str, str] = {}
     for kind, i in tightest.items():
-        _add(out, HEADER_NAMES[kind], str(int(caps[i])), caps[i], levels[i])
+        names, cap, level = HEADER_NAMES[kind], caps[i], levels[i]
+        out[names[0]] = str(int(cap))
+        out[names[1]] = str(int(level)) if level > 0 else "0"
+        out[names[2]] = duration((cap - level) * 60.0 / cap)
     return out
 
 
 def plan_headers(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> dict[str, str]:
-    """headers() for a plan's buckets, the common plan (one bucket per kind) without any search."""
+    """headers() for a plan's buckets (what an error reply carries)."""
+    return headers(plan.needs, caps, levels)
+
+
+def plan_lines(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> str:
+    """plan_headers() as reply-head lines; the common plan (one bucket per kind) without a search or a dict."""
     if not plan.one_per_kind:
-        return headers(plan.needs, caps, levels)
-    out: dict[str, str] = {}
+        return "".join([f"{k}: {v}\r\n" for k, v in headers(plan.needs, caps, levels).items()])
     exact = caps is plan.caps  # whole limits (not this process's share): their text is ready
-    for i, n in enumerate(plan.needs):
-        limit_name, remaining_name, reset_name = HEADER_NAMES[n.kind]
-        cap, level = caps[i], levels[i]
-        out[limit_name] = plan.limit_texts[i] if exact else str(int(cap))
-        out[remaining_name] = str(int(level)) if level > 0 else "0"
-        out[reset_name] = duration((cap - level) * 60.0 / cap)
+    if plan.common:  # a requests and a tokens bucket, the usual plan: one f-string, no loop (every reply)
+        (rcap, tcap), (rlevel, tlevel) = caps, levels
+        rms, tms = int((rcap - rlevel) * 60000.0 / rcap + 0.5), int((tcap - tlevel) * 60000.0 / tcap + 0.5)
+        rtext, ttext = plan.limit_texts if exact else (int(rcap), int(tcap))
+        return (f"x-ratelimit-limit-requests: {rtext}\r\n"
+                f"x-ratelimit-remaining-requests: {int(rlevel) if rlevel > 0 else 0}\r\n"
+                f"x-ratelimit-reset-requests: {f'{rms}ms' if 0 < rms < 1000 else duration_ms(rms)}\r\n"
+                f"x-ratelimit-limit-tokens: {ttext}\r\n"
+                f"x-ratelimit-remaining-tokens: {int(tlevel) if tlevel > 0 else 0}\r\n"
+                f"x-ratelimit-reset-tokens: {f'{tms}ms' if 0 < tms < 1000 else duration_ms(tms)}\r\n")
+    out = ""
+    for (a, b, c), text, cap, level in zip(plan.line_parts, plan.limit_texts, caps, levels):
+        ms = int((cap - level) * 60000.0 / cap + 0.5)
+        out += (f"{a}{text if exact else int(cap)}{b}{int(level) if level > 0 else 0}{c}"
+                f"{f'{ms}ms' if 0 < ms < 1000 else duration_ms(ms)}\r\n")
     return out
-
-
-def _add(out: dict[str, str], names: tuple[str, str, str], limit: str, cap: float, level: float) -> None:
-    out[names[0]] = limit
-    out[names[1]] = str(int(level)) if level > 0 else "0"
-    out[names[2]] = duration((cap - level) * 60.0 / cap)
 
 
 class Buckets:
     """Token buckets of one process: [level, taken at] by bucket name. Used for every decision with memory state,
-    and while the shared store does not answer with Redis state."""
+    and while the shared store does not answer with Redis state. A plan holds its buckets' state lists (bound
+    once), so a request finds them without a lookup; an unused bucket is full (level infinite, cut to its
+    limit when read)."""
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
         self._state: dict[str, list[float]] = {}  # name -> [level, taken at] (a monotonic clock)
 
+    def slots(self, needs: tuple[Need, ...]) -> tuple[list[float], ...]:
+        return tuple([self._state.setdefault(n.name, [math.inf, 0.0]) for n in needs])
+
     def take(self, needs: tuple[Need, ...], caps: tuple[float, ...],
              costs: tuple[int, ...]) -> tuple[int, list[float]]:
+        return self.take_slots(self.slots(needs), caps, costs)
+
+    def take_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...],
+                   costs: tuple[int, ...]) -> tuple[int, list[float]]:
         """(index of the first bucket without room, or -1 when all had room and were charged; levels after)."""
         now = self.clock()
-        get = self._state.get
-        found = []
         levels = []
         short = -1
-        for i, n in enumerate(needs):  # one pass: the per-request path
-            s = get(n.name)
+        for i, s in enumerate(slots):  # one pass to check, one to charge: the per-request path
             cap = caps[i]
-            level = cap if s is None else s[0] + (now - s[1]) * cap / 60.0
+            level = s[0] + (now - s[1]) * cap / 60.0
             if level > cap:
                 level = cap
             if short < 0 and level < costs[i]:
                 short = i
-            found.append(s)
             levels.append(level)
         if short >= 0:
             return short, levels
-        state = self._state
-        for i, s in enumerate(found):
-            level = levels[i] = levels[i] - costs[i]
-            if s is None:
-                state[needs[i].name] = [level, now]
-            else:
-                s[0] = level
-                s[1] = now
+        for i, s in enumerate(slots):
+            levels[i] = s[0] = levels[i] - costs[i]
+            s[1] = now
         return -1, levels
 
     def adjust(self, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
+        self.adjust_slots(self.slots(needs), caps, delta)
+
+    def adjust_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], delta: int) -> None:
         """Charge `delta` more tokens (a refund when negative) once a request's usage is known."""
         now = self.clock()
-        state = self._state
-        for n, cap in zip(needs, caps):
-            s = state.get(n.name)
-            level = cap if s is None else s[0] + (now - s[1]) * cap / 60.0
-            level = (cap if level > cap else level) - delta
-            if level >= cap:
-                state.pop(n.name, None)  # full: the same as never used
-            elif s is None:
-                state[n.name] = [level, now]
-            else:
-                s[0] = level
-                s[1] = now
+        for s, cap in zip(slots, caps):
+            level = s[0] + (now - s[1]) * cap / 60.0
+            s[0] = (cap if level > cap else level) - delta
+            s[1] = now
 
     def clear(self) -> None:
-        self._state.clear()
+        for s in self._state.values():  # in place: plans hold these lists
+            s[0] = math.inf
 
 
 class Reservation:
-    """What a request took: the headers its replies carry, and the tokens to settle once usage is known."""
+    """What a request took: its buckets' levels after (the headers its replies carry), and the tokens to settle
+    once usage is known."""
 
-    __slots__ = ("headers", "plan", "shared", "token_caps", "tokens")
+    __slots__ = ("caps", "levels", "plan", "shared", "tokens")
 
-    def __init__(self, headers: dict[str, str], tokens: int, plan: Plan, token_caps: tuple[float, ...],
-                 shared: bool) -> None:
-        self.headers = headers
-        self.tokens = tokens
+    def __init__(self, plan: Plan, caps: tuple[float, ...], levels: list[float], tokens: int, shared: bool) -> None:
         self.plan = plan
-        self.token_caps = token_caps
+        self.caps = caps  # the plan's limits, or this process's share of them
+        self.levels = levels
+        self.tokens = tokens
         self.shared = shared  # taken from the shared store (settled there), else from this process's buckets
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return plan_headers(self.plan, self.caps, self.levels)
+
+    def lines(self) -> str:
+        return plan_lines(self.plan, self.caps, self.levels)
+
+
+def header_lines(r: Reservation | None) -> str:
+    """The x-ratelimit lines of a reply head: none for a request that took from no bucket."""
+    return r.lines() if r is not None else ""
 
 
 def used_tokens(o: Outcome | None) -> int:
@@ -255,47 +291,63 @@ class Limiter:
         hit = self._plans.get(key)
         if hit is not None and hit[0] is limits:  # a reload or another key set makes new objects
             return hit[1]
-        plan = build_plan(principal.id, limits, model, per_model)
-        if not plan.needs:
-            plan = None
+        built = build_plan(principal.id, limits, model, per_model)
+        plan = built.bind(self.local) if built.needs else None
         if len(self._plans) < MAX_PLANS:
             self._plans[key] = (limits, plan)
         return plan
 
-    async def reserve(self, st: RequestState, plan: Plan, tokens: int, cfg: LimitsConfig) -> None:
-        """Take one request and `tokens` from every bucket, or raise the 429 of the first without room."""
-        needs, costs = plan.needs, plan.costs(tokens)
-        shared = self.shared
-        result = await shared.take(needs, costs, cfg.redis_timeout_s) if shared is not None else None
-        if result is not None:
-            caps, token_caps = plan.caps, plan.token_caps
-            refused, levels = result
-        else:
-            share = self.local_share()
-            if share == 1:
-                caps, token_caps = plan.caps, plan.token_caps
-            else:  # this process's share, never below one request or the tokens of this one
-                caps = tuple([max(c / share, min(c, float(cost))) for c, cost in zip(plan.caps, costs)])
-                token_caps = tuple([c for c, t in zip(caps, plan.tokens_at) if t])
-            refused, levels = self.local.take(needs, caps, costs)
-        hdrs = plan_headers(plan, caps, levels)
+    def take(self, st: RequestState, plan: Plan, tokens: int) -> None:
+        """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
+        the 429 of the first without room."""
+        costs = plan.costs(tokens)
+        share = self.local_share()
+        # With several processes and no shared store, this process's share: never below one request or the
+        # tokens of this one.
+        caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
+                                                   for c, cost in zip(plan.caps, costs)])
+        refused, levels = self.local.take_slots(plan.slots, caps, costs)
         if refused >= 0:
-            self.metrics.limit_refused(needs[refused].kind)
-            assert st.principal is not None  # checked before the pipeline runs
-            raise refusal(st.principal.id, needs, caps, levels, costs, hdrs)
-        st.limit = Reservation(hdrs, tokens, plan, token_caps, result is not None)
+            self._refuse(st, plan, caps, levels, costs, refused)
+        st.limit = Reservation(plan, caps, levels, tokens, False)
         self.unsettled += 1
+
+    async def reserve(self, st: RequestState, plan: Plan, tokens: int, cfg: LimitsConfig) -> None:
+        """take(), from the buckets shared through Redis when the state is (this process's when Redis does not
+        answer in time)."""
+        shared = self.shared
+        if shared is None:
+            return self.take(st, plan, tokens)
+        costs = plan.costs(tokens)
+        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s)
+        if result is None:
+            return self.take(st, plan, tokens)
+        refused, levels = result
+        if refused >= 0:
+            self._refuse(st, plan, plan.caps, levels, costs, refused)
+        st.limit = Reservation(plan, plan.caps, levels, tokens, True)
+        self.unsettled += 1
+
+    def _refuse(self, st: RequestState, plan: Plan, caps: tuple[float, ...], levels: list[float],
+                costs: tuple[int, ...], refused: int) -> NoReturn:
+        self.metrics.limit_refused(plan.needs[refused].kind)
+        assert st.principal is not None  # checked before the pipeline runs
+        raise refusal(st.principal.id, plan.needs, caps, levels, costs, plan_headers(plan, caps, levels))
 
     def settle(self, st: RequestState, r: Reservation) -> None:
         """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
         st.limit = None
         self.unsettled -= 1
-        if not r.token_caps:
+        plan = r.plan
+        if not plan.token_needs:
             return
         delta = used_tokens(st.outcome) - r.tokens
         if delta == 0:
             return
         if r.shared and self.shared is not None:
-            self.shared.settle(r.plan.token_needs, delta)
+            self.shared.settle(plan.token_needs, delta)
         else:
-            self.local.adjust(r.plan.token_needs, r.token_caps, delta)
+            caps = r.caps
+            token_caps = plan.token_caps if caps is plan.caps else tuple(
+                [c for c, t in zip(caps, plan.tokens_at) if t])
+            self.local.adjust_slots(plan.token_slots, token_caps, delta)

@@ -18,6 +18,7 @@ from gateway.errors import (GatewayError, bad_request, error_from_event, model_n
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
                               charge_timeout, settle)
 from gateway.headers import trace_headers
+from gateway.limits import header_lines
 from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.request import RequestState
 from gateway.shape import classify, session_of
@@ -67,8 +68,11 @@ async def handle(g: Gateway, st: RequestState) -> Any:
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
     plan = g.limiter.plan(st.principal, shape.model, g.cfg.limits)  # None for a key without rate limits
-    if plan is not None:
-        await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, g.cfg.limits)  # or a 429
+    if plan is not None:  # take from its buckets or raise a 429: at once from this process's, or through Redis
+        if g.limiter.shared is None:
+            g.limiter.take(st, plan, shape.prompt_tokens + shape.output_tokens)
+        else:
+            await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, g.cfg.limits)
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     now = time.monotonic()
@@ -233,7 +237,7 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             st.tap.add(data)
         if started > b.last_output:
             b.last_output = started
-        return ex.reply(status, g.reply_headers(st, reply.headers), rename(data))
+        return ex.reply(status, g.reply_headers(st, reply.headers), rename(data), header_lines(st.limit))
     except Retryable as r:
         status = r.error.status
         raise
@@ -301,7 +305,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     opts = st.body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).
-    resp = await ex.open_stream(g.reply_headers(st, reply.headers))
+    resp = await ex.open_stream(g.reply_headers(st, reply.headers), header_lines(st.limit))
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
                      max_event=g.cfg.upstream.max_event_bytes)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)

@@ -33,10 +33,11 @@ class Exchange(Protocol):
     async def read(self) -> bytes:
         """The whole body; raises a GatewayError (413, 408) when it is too large or too slow to come."""
 
-    def reply(self, status: int, headers: dict[str, str], body: bytes) -> Any:
-        """A whole response; the returned object (with .status) is the handler's result."""
+    def reply(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> Any:
+        """A whole response; the returned object (with .status) is the handler's result. `lines`: more headers,
+        rendered already as reply-head lines."""
 
-    async def open_stream(self, headers: dict[str, str]) -> Any:
+    async def open_stream(self, headers: dict[str, str], lines: str = "") -> Any:
         """Start a 200 event stream: the returned sink has write(data) and write_eof(data) and .status."""
 
 

@@ -235,9 +235,7 @@ class Gateway:
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
             h[ARM_HEADER] = arm_of(st)
-        if st.limit is not None:  # a key with limits: OpenAI's x-ratelimit headers
-            h.update(st.limit.headers)
-        return h
+        return h  # a key with limits: its x-ratelimit headers follow as lines (limits.header_lines)
 
     # -- record stage ----------------------------------------------------------------------------
     def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,

@@ -8,7 +8,7 @@ from gateway.auth import Principal
 from gateway.config import KeyLimits, LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.errors import GatewayError
-from gateway.limits import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, headers, plan_headers,
+from gateway.limits import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, headers, plan_lines,
                             used_tokens)
 from gateway.metrics import Metrics
 from gateway.request import RequestState
@@ -109,13 +109,23 @@ def test_headers_report_the_tightest_bucket_of_each_kind():
         "x-ratelimit-limit-tokens": "60", "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "1m30s"}
 
 
-def test_the_common_plan_gets_the_same_headers_without_a_search():
-    plan = build_plan("k", RateLimit(rpm=60, tpm=90000), None, None)
-    for levels in ([59.0, 40000.0], [0.2, -10.0], [60.0, 90000.0]):
-        assert plan_headers(plan, plan.caps, levels) == headers(plan.needs, plan.caps, levels)
-    share = (30.0, 45000.0)  # this process's share: the limit text follows it
-    assert plan_headers(plan, share, [29.0, 100.0])["x-ratelimit-limit-requests"] == "30"
-    assert plan_headers(plan, share, [29.0, 100.0]) == headers(plan.needs, share, [29.0, 100.0])
+def as_lines(h: dict[str, str]) -> str:
+    return "".join(f"{k}: {v}\r\n" for k, v in h.items())
+
+
+@pytest.mark.parametrize("limits, per_model", [(RateLimit(rpm=60, tpm=90000), None), (RateLimit(tpm=500), None),
+                                               (RateLimit(rpm=60, tpm=90000), RateLimit(rpm=10))])
+def test_reply_head_lines_say_what_the_headers_say(limits, per_model):
+    plan = build_plan("k", limits, "m", per_model)
+    for fill in (1.0, 0.98, 0.5, 0.0001, 0.0, -0.2):
+        levels = [cap * fill for cap in plan.caps]
+        assert plan_lines(plan, plan.caps, levels) == as_lines(headers(plan.needs, plan.caps, levels))
+        share = tuple(cap / 3 for cap in plan.caps)  # this process's share: the limit text follows it
+        assert plan_lines(plan, share, levels) == as_lines(headers(plan.needs, share, levels))
+    common = build_plan("k", RateLimit(rpm=60, tpm=90000), None, None)
+    assert plan_lines(common, (20.0, 30000.0), [19.0, 30000.0]) == (
+        "x-ratelimit-limit-requests: 20\r\nx-ratelimit-remaining-requests: 19\r\nx-ratelimit-reset-requests: 3s\r\n"
+        "x-ratelimit-limit-tokens: 30000\r\nx-ratelimit-remaining-tokens: 30000\r\nx-ratelimit-reset-tokens: 0s\r\n")
 
 
 def test_plans_take_the_key_limits_instead_of_the_defaults_and_models_on_top():
@@ -211,7 +221,7 @@ async def test_each_process_holds_its_share_of_a_limit():
     # A request larger than the share but within the whole limit still passes once the share is full.
     lim2 = Limiter(Metrics(list), lambda: 4, clock=Clock())
     st = request(p)
-    await lim2.reserve(st, needs, 80, cfg)
+    await lim2.reserve(st, lim2.plan(p, "m", cfg), 80, cfg)
     assert st.limit is not None and st.limit.headers["x-ratelimit-limit-requests"] == "15"
 
 
