@@ -144,12 +144,14 @@ def plan_lines(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> str:
         (rcap, tcap), (rlevel, tlevel) = caps, levels
         rms, tms = int((rcap - rlevel) * 60000.0 / rcap + 0.5), int((tcap - tlevel) * 60000.0 / tcap + 0.5)
         rtext, ttext = plan.limit_texts if exact else (int(rcap), int(tcap))
+        rreset = f"{rms}ms" if 0 < rms < 1000 else "0s" if rms <= 0 else duration_ms(rms)
+        treset = f"{tms}ms" if 0 < tms < 1000 else "0s" if tms <= 0 else duration_ms(tms)
         return (f"x-ratelimit-limit-requests: {rtext}\r\n"
                 f"x-ratelimit-remaining-requests: {int(rlevel) if rlevel > 0 else 0}\r\n"
-                f"x-ratelimit-reset-requests: {f'{rms}ms' if 0 < rms < 1000 else duration_ms(rms)}\r\n"
+                f"x-ratelimit-reset-requests: {rreset}\r\n"
                 f"x-ratelimit-limit-tokens: {ttext}\r\n"
                 f"x-ratelimit-remaining-tokens: {int(tlevel) if tlevel > 0 else 0}\r\n"
-                f"x-ratelimit-reset-tokens: {f'{tms}ms' if 0 < tms < 1000 else duration_ms(tms)}\r\n")
+                f"x-ratelimit-reset-tokens: {treset}\r\n")
     out = ""
     for (a, b, c), text, cap, level in zip(plan.line_parts, plan.limit_texts, caps, levels):
         ms = int((cap - level) * 60000.0 / cap + 0.5)
@@ -196,6 +198,24 @@ class Buckets:
             s[1] = now
         return -1, levels
 
+    def take_common(self, slots: tuple[list[float], ...], caps: tuple[float, ...], tokens: int) -> list[float] | None:
+        """take_slots() for a requests bucket and a tokens bucket, unrolled: the levels after, or None (nothing
+        charged) when either has no room."""
+        now = self.clock()
+        (r, t), (rcap, tcap) = slots, caps
+        rlevel = r[0] + (now - r[1]) * rcap / 60.0
+        if rlevel > rcap:
+            rlevel = rcap
+        tlevel = t[0] + (now - t[1]) * tcap / 60.0
+        if tlevel > tcap:
+            tlevel = tcap
+        if rlevel < 1 or tlevel < tokens:
+            return None
+        r[0] = rlevel = rlevel - 1
+        t[0] = tlevel = tlevel - tokens
+        r[1] = t[1] = now
+        return [rlevel, tlevel]
+
     def adjust(self, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
         self.adjust_slots(self.slots(needs), caps, delta)
 
@@ -229,13 +249,11 @@ class Reservation:
     def headers(self) -> dict[str, str]:
         return plan_headers(self.plan, self.caps, self.levels)
 
-    def lines(self) -> str:
-        return plan_lines(self.plan, self.caps, self.levels)
 
 
 def header_lines(r: Reservation | None) -> str:
     """The x-ratelimit lines of a reply head: none for a request that took from no bucket."""
-    return r.lines() if r is not None else ""
+    return plan_lines(r.plan, r.caps, r.levels) if r is not None else ""
 
 
 def used_tokens(o: Outcome | None) -> int:
@@ -300,8 +318,14 @@ class Limiter:
     def take(self, st: RequestState, plan: Plan, tokens: int) -> None:
         """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
         the 429 of the first without room."""
-        costs = plan.costs(tokens)
         share = self.local_share()
+        if share == 1 and plan.common:  # the usual plan at whole limits: the path every request of such a key takes
+            levels = self.local.take_common(plan.slots, plan.caps, tokens)
+            if levels is not None:
+                st.limit = Reservation(plan, plan.caps, levels, tokens, False)
+                self.unsettled += 1
+                return
+        costs = plan.costs(tokens)  # the general path, also for a refusal of the usual plan (it says why)
         # With several processes and no shared store, this process's share: never below one request or the
         # tokens of this one.
         caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
