@@ -173,10 +173,6 @@ class Buckets:
     def slots(self, needs: tuple[Need, ...]) -> tuple[list[float], ...]:
         return tuple([self._state.setdefault(n.name, [math.inf, 0.0]) for n in needs])
 
-    def take(self, needs: tuple[Need, ...], caps: tuple[float, ...],
-             costs: tuple[int, ...]) -> tuple[int, list[float]]:
-        return self.take_slots(self.slots(needs), caps, costs)
-
     def take_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...],
                    costs: tuple[int, ...]) -> tuple[int, list[float]]:
         """(index of the first bucket without room, or -1 when all had room and were charged; levels after)."""
@@ -215,9 +211,6 @@ class Buckets:
         t[0] = tlevel = tlevel - tokens
         r[1] = t[1] = now
         return [rlevel, tlevel]
-
-    def adjust(self, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
-        self.adjust_slots(self.slots(needs), caps, delta)
 
     def adjust_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], delta: int) -> None:
         """Charge `delta` more tokens (a refund when negative) once a request's usage is known."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gateway.auth import Principal
@@ -31,6 +33,14 @@ def test_durations_are_written_as_openai_writes_them(seconds, text):
     assert duration(seconds) == text
 
 
+def take(b: Buckets, needs: tuple[Need, ...], caps: tuple[float, ...], costs: tuple[int, ...]):
+    return b.take_slots(b.slots(needs), caps, costs)  # a limiter binds the slots to its plans once
+
+
+def adjust(b: Buckets, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
+    b.adjust_slots(b.slots(needs), caps, delta)
+
+
 def rpm(n: int, name: str = "k") -> Need:
     return Need(f"requests:{name}", REQUESTS, n)
 
@@ -44,19 +54,19 @@ def test_sixty_requests_at_once_pass_and_the_sixty_first_does_not():
     b = Buckets(clock)
     needs, caps = (rpm(60),), (60.0,)
     for i in range(60):
-        refused, levels = b.take(needs, caps, (1,))
+        refused, levels = take(b, needs, caps, (1,))
         assert refused == -1 and levels == [59.0 - i]
-    assert b.take(needs, caps, (1,)) == (0, [0.0])
+    assert take(b, needs, caps, (1,)) == (0, [0.0])
     clock.now += 0.999  # refilled at 1 request per second: not yet one whole request
-    assert b.take(needs, caps, (1,))[0] == 0
+    assert take(b, needs, caps, (1,))[0] == 0
     clock.now += 0.001
-    assert b.take(needs, caps, (1,)) == (-1, [0.0])
+    assert take(b, needs, caps, (1,)) == (-1, [0.0])
 
 
 @pytest.mark.parametrize("limit", [7, 13, 60, 999])
 def test_the_boundary_holds_for_limits_that_do_not_divide_a_minute(limit):
     b = Buckets(Clock())
-    outcomes = [b.take((rpm(limit),), (float(limit),), (1,))[0] for _ in range(limit + 1)]
+    outcomes = [take(b, (rpm(limit),), (float(limit),), (1,))[0] for _ in range(limit + 1)]
     assert outcomes == [-1] * limit + [0]
 
 
@@ -64,37 +74,37 @@ def test_a_bucket_refills_continuously_and_never_past_its_limit():
     clock = Clock()
     b = Buckets(clock)
     needs, caps = (tpm(600),), (600.0,)
-    assert b.take(needs, caps, (600,)) == (-1, [0.0])
+    assert take(b, needs, caps, (600,)) == (-1, [0.0])
     clock.now += 30  # half a minute: half the limit back
-    assert b.take(needs, caps, (301,))[0] == 0
-    assert b.take(needs, caps, (300,)) == (-1, [0.0])
+    assert take(b, needs, caps, (301,))[0] == 0
+    assert take(b, needs, caps, (300,)) == (-1, [0.0])
     clock.now += 3600
-    assert b.take(needs, caps, (0,)) == (-1, [600.0])
+    assert take(b, needs, caps, (0,)) == (-1, [600.0])
 
 
 def test_a_request_takes_from_every_bucket_or_from_none():
     b = Buckets(Clock())
     key, model = rpm(10, "key"), rpm(2, "key/m")
     caps = (10.0, 2.0)
-    assert b.take((key, model), caps, (1, 1))[0] == -1
-    assert b.take((key, model), caps, (1, 1))[0] == -1
-    refused, levels = b.take((key, model), caps, (1, 1))
+    assert take(b, (key, model), caps, (1, 1))[0] == -1
+    assert take(b, (key, model), caps, (1, 1))[0] == -1
+    refused, levels = take(b, (key, model), caps, (1, 1))
     assert refused == 1 and levels == [8.0, 0.0]  # the model's bucket is empty; the key's was not charged
-    assert b.take((key,), (10.0,), (1,)) == (-1, [7.0])
+    assert take(b, (key,), (10.0,), (1,)) == (-1, [7.0])
 
 
 def test_settlement_refunds_and_charges_tokens():
     clock = Clock()
     b = Buckets(clock)
     needs, caps = (tpm(1000),), (1000.0,)
-    b.take(needs, caps, (400,))
-    b.adjust(needs, caps, -350)  # reserved 400, the reply used 50
-    assert b.take(needs, caps, (0,))[1] == [950.0]
-    b.adjust(needs, caps, 1200)  # used far more than reserved: the bucket goes into debt
-    assert b.take(needs, caps, (0,))[1] == [-250.0]
-    assert b.take(needs, caps, (1,))[0] == 0
-    b.adjust(needs, caps, -5000)  # a refund never fills a bucket past its limit
-    assert b.take(needs, caps, (0,))[1] == [1000.0]
+    take(b, needs, caps, (400,))
+    adjust(b, needs, caps, -350)  # reserved 400, the reply used 50
+    assert take(b, needs, caps, (0,))[1] == [950.0]
+    adjust(b, needs, caps, 1200)  # used far more than reserved: the bucket goes into debt
+    assert take(b, needs, caps, (0,))[1] == [-250.0]
+    assert take(b, needs, caps, (1,))[0] == 0
+    adjust(b, needs, caps, -5000)  # a refund never fills a bucket past its limit
+    assert take(b, needs, caps, (0,))[1] == [1000.0]
 
 
 def test_headers_report_the_tightest_bucket_of_each_kind():
@@ -243,3 +253,20 @@ def test_redis_errors_and_garbage():
     with pytest.raises(ProtocolError):
         parse(bytearray(b":4x\r\n"), 0)
     assert encode(("EVALSHA", "ab", 1, "k", 60)) == b"*5\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n1\r\n$1\r\nk\r\n$2\r\n60\r\n"
+
+
+def test_the_unrolled_usual_plan_decides_as_the_general_path():
+    rnd = random.Random(7)
+    clock = Clock()
+    fast, general = Buckets(clock), Buckets(clock)
+    needs, caps = (rpm(5), tpm(300)), (5.0, 300.0)
+    fast_slots, general_slots = fast.slots(needs), general.slots(needs)
+    for _ in range(500):
+        clock.now += rnd.choice((0.0, 0.05, 0.5, 3.0))
+        tokens = rnd.randint(0, 120)
+        levels = fast.take_common(fast_slots, caps, tokens)
+        refused, general_levels = general.take_slots(general_slots, caps, (1, tokens))
+        assert (levels is None) == (refused >= 0)
+        if levels is not None:
+            assert levels == general_levels
+        assert [s[:] for s in fast_slots] == [s[:] for s in general_slots]
