@@ -35,7 +35,7 @@ SWITCH = ("switch:off", "switch:local")  # one more process, its [limits] switch
 TARGET_CPU_US, TARGET_P50_MS = 10.0, 0.3
 
 
-def gateway_config(path: Path, engine: str, limits: bool, redis: bool, prefix: str) -> Path:
+def gateway_config(path: Path, engine: str, limits: bool, redis: bool, prefix: str, health: str = "") -> Path:
     from gateway.auth import hash_key
     state = f'[state]\nbackend = "redis"\nredis_url = "{REDIS_URL}"\nkey_prefix = "{prefix}"\n' if redis else ""
     path.write_text(f"""[server]
@@ -46,7 +46,7 @@ sha256 = "{hash_key(KEY)}"
 admin = true
 [health]
 warmup = false
-[[backends]]
+{health}[[backends]]
 id = "engine"
 engine = "openai"
 url = "{engine}"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limits import LIMITS, TARGET_CPU_US, reload  # noqa: E402
+from limits import TARGET_CPU_US, gateway_config, reload  # noqa: E402
 from overhead import BODIES, KEY, cpu_seconds, free_port, wait_http  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
@@ -29,25 +29,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def config(path: Path, engine: str, limits: bool) -> None:
-    from gateway.auth import hash_key
     # Long probe intervals: background work inside the counted window is then a few probes in all.
-    path.write_text(f"""[server]
-access_log = false
-[[auth.keys]]
-id = "bench"
-sha256 = "{hash_key(KEY)}"
-admin = true
-[health]
-warmup = false
-interval_s = 30
-load_interval_s = 30
-load_stale_s = 120
-[[backends]]
-id = "engine"
-engine = "openai"
-url = "{engine}"
-models = ["bench"]
-{LIMITS if limits else ""}""")
+    gateway_config(path, engine, limits, False, "", health="interval_s = 30\nload_interval_s = 30\nload_stale_s = 120\n")
 
 
 def send(port: int, n: int) -> None:
