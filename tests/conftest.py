@@ -36,3 +36,23 @@ def user_key():
 @pytest.fixture
 def admin_key():
     return ADMIN_KEY
+
+
+# Every rerun is printed at the end with why the attempt failed (the rerun plugin's own summary names only the
+# test): a rerun is a defect to look into, so its reason must outlive the run that hid it.
+_RERUN_REASONS: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "rerun":
+        text = report.longreprtext.strip().splitlines()
+        errors = [line[1:].strip() for line in text if line.startswith("E ")]
+        reason = " / ".join(errors[:3]) if errors else (text[-1] if text else "")
+        _RERUN_REASONS.append((f"{report.nodeid} ({report.when})", reason[:400]))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    if _RERUN_REASONS:
+        terminalreporter.section("why each rerun was needed")
+        for nodeid, reason in _RERUN_REASONS:
+            terminalreporter.line(f"{nodeid}: {reason}")
