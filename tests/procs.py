@@ -121,6 +121,22 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log is not None and self.log.exists() else ""
 
 
+async def workers_ready(url: str, workers: int, timeout: float = 10.0) -> set[str]:
+    """Every worker of a `serve --workers N` group answers /readyz with 200, not only the one that answered
+    first: each GET goes on a new connection (the kernel picks the worker), told apart by the per-process
+    prefix of its request id."""
+    ready: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(ready) < workers:
+        assert time.monotonic() < deadline, f"only {len(ready)} of {workers} workers became ready"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async with s.get(url + "/readyz") as r:
+                if r.status == 200:
+                    ready.add(r.headers["x-request-id"][:12])
+        await asyncio.sleep(0.02)
+    return ready  # the workers' request-id prefixes
+
+
 def restartable_port() -> int:
     """A free port below the kernel's ephemeral range, so that no port-0 listener takes it while a
     killed engine is down and it can come back on the same port."""

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.fake_engine import free_port
-from tests.procs import Proc, gateway_proc, to_toml
+from tests.procs import Proc, gateway_proc, to_toml, workers_ready
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
 MODEL = "m"
@@ -209,6 +209,7 @@ async def test_a_ramp_reaches_every_worker_of_one_process_group(engines, tmp_pat
                "--workers", "2"], port, "/readyz", tmp_path / "gw.log")
     await gw.start()
     try:
+        await workers_ready(gw.url, 2)  # a worker not yet ready would answer 503, without an arm
         status, body = await put(gw, "ab", {"weights": {"a": 0, "b": 1}})
         assert status == 200
         t0 = time.monotonic()
@@ -220,6 +221,7 @@ async def test_a_ramp_reaches_every_worker_of_one_process_group(engines, tmp_pat
                     async with s.post(gw.url + "/v1/chat/completions", json={
                             "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
                             "user": f"u{i}"}, headers={"Authorization": f"Bearer {USER_KEY}"}) as r:
+                        assert r.status == 200, await r.text()
                         arms.add(r.headers["x-shapegate-arm"])
             if arms == {"b"}:
                 break

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.sim.runner import SimOptions, start_sim
 from tests.fake_engine import FakeEngine, Knobs, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
-from tests.procs import ROOT, to_toml, wait_http
+from tests.procs import ROOT, to_toml, wait_http, workers_ready
 
 AUTH = {"Authorization": f"Bearer {USER_KEY}"}
 
@@ -235,16 +235,7 @@ async def test_two_workers_add_up_in_one_scrape(tmp_path):
     out = asyncio.create_task(proc.stdout.read())
     try:
         await wait_http(url + "/readyz", 20.0)
-        ready: set[str] = set()
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-            for _ in range(400):  # a new connection each: the kernel spreads them over the listening workers
-                async with s.get(url + "/readyz") as r:
-                    if r.status == 200:
-                        ready.add(r.headers["x-request-id"][:12])  # request ids start with a per-process prefix
-                if len(ready) == 2:
-                    break
-                await asyncio.sleep(0.02)
-        assert len(ready) == 2, "the second worker never became ready"
+        ready = await workers_ready(url, 2, 10.0)  # their request-id prefixes
         ids = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
             for _ in range(40):

@@ -11,7 +11,7 @@ import orjson
 
 from tests.fake_engine import FakeEngine, Knobs, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
-from tests.procs import ROOT, to_toml, wait_http
+from tests.procs import ROOT, to_toml, wait_http, workers_ready
 
 N = 40
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -36,17 +36,7 @@ async def test_stats_merge_every_worker_and_count_each_request_once(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_http(url + "/readyz", 20.0)
-        # Both workers ready, not only the one that answered first (the kernel picks one per connection).
-        ready: set[str] = set()
-        for _ in range(200):
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
-                async with s.get(url + "/readyz") as r:
-                    if r.status == 200:
-                        ready.add(r.headers["x-request-id"][:12])
-            if len(ready) == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert len(ready) == 2, "a worker never became ready"
+        await workers_ready(url, 2, 10.0)
         served_by, body = set(), {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                                   "stream": True}
         for i in range(N):  # a new connection each: the kernel spreads them over both workers
