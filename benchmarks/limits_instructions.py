@@ -1,4 +1,4 @@
-"""What local rate limits cost a gateway per request, counted in CPU instructions (callgrind): noise-free on a shared machine."""
+"""What local rate limits cost a gateway per request, counted in CPU instructions (callgrind), steady on a busy machine."""
 
 from __future__ import annotations
 

@@ -243,7 +243,6 @@ class Reservation:
         return plan_headers(self.plan, self.caps, self.levels)
 
 
-
 def header_lines(r: Reservation | None) -> str:
     """The x-ratelimit lines of a reply head: none for a request that took from no bucket."""
     return plan_lines(r.plan, r.caps, r.levels) if r is not None else ""
