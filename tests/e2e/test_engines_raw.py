@@ -225,6 +225,9 @@ async def test_openai_client(engine: EngineHandle) -> None:
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
         assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    # llama-server closes the connection after a stream (test_keep_alive_after_response): a client that
+    # reuses it at once races that close, so the next request goes on a client of its own.
+    async with openai.AsyncOpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0) as client:
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(model=engine.model, max_tokens=MAX_TOKENS,
                                                  messages=[{"role": "user", "content": wire.overlong_text()}])

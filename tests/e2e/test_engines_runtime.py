@@ -16,6 +16,10 @@ from tests.e2e.quirks import QUIRKS
 
 pytestmark = pytest.mark.e2e
 
+# A first stream line later than this: the engine's API server sat on the stream (an engine stall, not the case under
+# test); such an attempt goes again, up to STREAM_TRIES in all.
+STALLED_S = 3.0
+STREAM_TRIES = 4
 LLAMA_FAMILIES = {
     "llamacpp:prompt_tokens": "counter",
     "llamacpp:prompt_tokens_cached": "counter",
@@ -120,20 +124,32 @@ async def test_llama_disconnect_frees_slot(llama_server: EngineHandle) -> None:
 async def test_vllm_disconnect_aborts_request(vllm_server: EngineHandle) -> None:
     url = vllm_server.url
     body = wire.chat_body(vllm_server.model, stream=True, max_tokens=3000)  # ~5-10 s if left running
+    stalls: list[float] = []
     async with wire.new_session() as http:
-        before = await wire.metric_families(http, url)
-        async with wire.new_session() as client:
-            resp = await client.post(url + "/v1/chat/completions", data=orjson.dumps(body),
-                                     headers={"content-type": "application/json"})
-            await resp.content.readline()
-            resp.close()
-        dropped = time.monotonic()
-        while time.monotonic() - dropped < 5.0:
-            after = await wire.metric_families(http, url)
-            if wire.sample_value(after, "vllm:num_requests_running") == 0:
+        for _ in range(STREAM_TRIES):
+            await wire.wait_quiet(http, url, QUIRKS["vllm"].running_gauge)
+            before = await wire.metric_families(http, url)
+            sent = time.monotonic()
+            async with wire.new_session() as client:
+                resp = await client.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                                         headers={"content-type": "application/json"})
+                await resp.content.readline()
+                first_line = time.monotonic() - sent
+                resp.close()
+            dropped = time.monotonic()
+            while time.monotonic() - dropped < 5.0:
+                after = await wire.metric_families(http, url)
+                if wire.sample_value(after, "vllm:num_requests_running") == 0:
+                    break
+                await asyncio.sleep(0.05)
+            stopped_after = time.monotonic() - dropped
+            # On 2 cores vLLM's API server sometimes sends nothing until its engine core has generated the whole
+            # request: the client then leaves after the end, and the attempt says nothing about disconnects.
+            if first_line < STALLED_S:
                 break
-            await asyncio.sleep(0.05)
-        stopped_after = time.monotonic() - dropped
+            stalls.append(round(first_line, 1))
+        else:
+            pytest.fail(f"vLLM's API server held back the stream on every attempt (first line after {stalls} s)")
 
     def aborted(fams: dict[str, Any]) -> float:
         return sum(s.value for s in fams["vllm:request_success"].samples
@@ -157,18 +173,12 @@ async def test_queueing_beyond_capacity(engine: EngineHandle) -> None:
     # llama.cpp is fast here (~4,000 tok/s): its streams must last long enough for a scrape to see
     # the queue even on a loaded machine, within the 2,048-token slot context.
     max_tokens = 1800 if engine.engine == "llamacpp" else 2500
-    for _ in range(3):
-        statuses, results, peak, health, informative = await _four_streams(engine, q, max_tokens)
-        # nobody was turned away: every answer so far is 200, the others were still waiting
-        assert [r for r in results if isinstance(r, Exception)] == []  # cut short is a CancelledError
-        assert statuses and set(statuses) == {200}
-        assert health <= {200}
-        if informative:
-            break
-    else:
-        # A streaming vLLM's API server on 2 cores can leave /metrics unanswered until its engine has
-        # generated everything: then no scrape saw the engine holding the requests, nothing to judge.
-        pytest.skip("no /metrics scrape saw the engine holding three or more of the four requests")
+    statuses, results, peak, health, informative = await _four_streams(engine, q, max_tokens)
+    # nobody was turned away: every answer so far is 200, the others were still waiting
+    assert [r for r in results if isinstance(r, Exception)] == []  # cut short is a CancelledError
+    assert statuses and set(statuses) == {200}
+    assert health <= {200}
+    assert informative, f"no /metrics scrape saw the engine holding three or more of the four requests: {peak}"
     assert (peak[0], peak[1] >= 1) == (2, True), peak
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import time
 from typing import Any
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.e2e
 
 # long enough to outlast every check below on each engine, cut short by the client
 LONG = {"llamacpp": 1800, "vllm": 4000}
-# vLLM's worker spins on one core and its API server shares the other with everything else: while
-# it streams, its /metrics (and its stream) can go unanswered for seconds, so waits on it are long
+# vLLM's worker computes on one core and its API server shares the other with everything else (its engine core
+# polls at nice 19: tests/e2e/engines.py); a loaded machine can still hold up its /metrics, so waits on it are long
 PATIENCE_S = {"llamacpp": 2.0, "vllm": 30.0}
 STALLED_S = 3.0  # a client that waited this long for three tokens met an engine stall, not the gateway
 HOLD_S = {"llamacpp": 2.0, "vllm": 10.0}  # one try at seeing a held load
-ENGINE_SCRAPE_S = 2.0  # an engine's /metrics that takes longer is starved, not loaded
-STARVED = "no answer"
+HOLD_TRIES = 3
+ENGINE_SCRAPE_S = 2.0  # the test's own read of an engine's /metrics, for the failure message
 SIM_WARMUP_S = 0.5
 
 
@@ -85,10 +86,12 @@ async def test_client_disconnect_frees_the_engine(target: Target) -> None:
 
 
 async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
-                          within: float) -> tuple[bool, list[Any]]:
-    """Three long streams; what the gateway shows of the engine's load until it reads (2, 1) or `within`
-    passes: whether it did, and the distinct readings (/metrics running, waiting, /stats running,
-    waiting, in flight, and the engine's own running gauge)."""
+                          within: float) -> tuple[bool, list[Any], list[Any]]:
+    """Three long streams; what the gateway shows of the engine's load until it reads (2, 1), or until
+    `within` has passed since the engine's own gauge first read 2 running (or since the start, if it never
+    did): whether it did, the distinct readings (/metrics running, waiting, /stats running, waiting,
+    in flight, and the engine's own running gauge), and the age of the gateway's load sample at each read
+    (for a failure's message: whether its scrapes of the engine stopped landing)."""
     async def one() -> None:
         async with http.post(target.url + "/v1/chat/completions", json=_long_body(target.engine)) as resp:
             assert resp.status == 200, await resp.text()
@@ -96,8 +99,8 @@ async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
                 pass
 
     tasks = [asyncio.create_task(one()) for _ in range(3)]
-    history: list[Any] = []  # distinct readings (tuples), and STARVED when too few could be taken
-    readings = [0]  # every reading taken, the same as the last or not
+    history: list[Any] = []  # distinct readings
+    ages: list[Any] = []
 
     async def held() -> bool:
         for t in tasks:  # a stream that failed would hold nothing
@@ -106,21 +109,17 @@ async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
         fams = await gateway_metrics(http, target.url)
         (row,) = (await stats(http, target.url))["backends"]
         load = row["load"]
-        # The engine's own gauge, read here: what the gateway's view is judged against. An engine whose API
-        # server takes longer to answer than the gateway's own load scrapes may take (their timeout) is
-        # starved (vLLM on 2 cores): the gateway cannot have seen its load then, and the reading says so.
-        patience = target.gateway.state.cfg.health.timeout_s
-        asked = time.perf_counter()
+        age = labelled(fams, "shapegate_engine_load_age_seconds", "shapegate_engine_load_age_seconds",
+                       backend=target.name)
+        ages.append(None if age is None else round(age, 1))
+        # The engine's own gauge, read by the test: on a failure, whether the engine held the load at all.
         try:
             own = wire.sample_value(await asyncio.wait_for(wire.metric_families(http, target.engine_url),
                                                            ENGINE_SCRAPE_S), target.quirks.running_gauge)
         except TimeoutError:
-            own = STARVED
-        if time.perf_counter() - asked > patience:
-            own = STARVED
+            own = "no answer"
         now = (*(labelled(fams, f"shapegate_engine_{f}", f"shapegate_engine_{f}", backend=target.name)
                  for f in ("running", "waiting")), load["running"], load["waiting"], row["in_flight"], own)
-        readings[0] += 1
         if not history or history[-1] != now:
             history.append(now)
         # /metrics and /stats show the same engine sample; llama.cpp's slots say none is idle
@@ -128,53 +127,53 @@ async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
                 and load["idle_slots"] == (0 if target.engine == "llamacpp" else None))
 
     seen = False
+    deadline = time.monotonic() + within
+    engine_held = False
     try:
-        with contextlib.suppress(TimeoutError):
-            await wait_for(held, timeout=within, interval=0.05)
-            seen = True
+        while not (seen := await held()) and time.monotonic() < deadline:
+            if not engine_held and history[-1][5] == 2:
+                # the gateway scrapes on its own schedule: it gets the whole window from here
+                engine_held, deadline = True, time.monotonic() + within
+            await asyncio.sleep(0.05)
     finally:
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-    if not seen and readings[0] < within:
-        # Fewer than one reading a second: this process's loop, which also runs the gateway and its load
-        # scrapes, was starved of the CPU (vLLM's engine core spinning on a 2-core machine).
-        history.append(STARVED)
-    return seen, history
+    return seen, history, ages
 
 
-@pytest.mark.flaky(reruns=2)  # a starved vLLM can also stall new connections past the connect timeout
-async def test_load_signals_follow_a_held_load(target: Target) -> None:
-    """Three streams on two slots / max_num_seqs 2: the gateway's load view reads 2 running, 1 waiting."""
-    attempts = []
+# Under watch: before the wait for a first sample (below), a new gateway in front of the real vLLM showed no load
+# sample through the whole hold in 3 of 5 whole-suite runs on this machine kind, while the engine's own gauge read
+# 2 running; with the wait, none in 7. The failure message carries the sample's age at each read and the health
+# log's scrape failures; a rerun here is printed with them.
+@pytest.mark.flaky(reruns=2)
+async def test_load_signals_follow_a_held_load(target: Target, caplog: pytest.LogCaptureFixture) -> None:
+    """Three streams on two slots / max_num_seqs 2: the gateway's load view reads 2 running, 1 waiting.
+    Judged against the engine's own gauge: an attempt in which the engine itself never ran the streams
+    (vLLM's API server on 2 cores can sit on new requests for over 10 s) says nothing about the gateway
+    and goes again; one in which the engine held them and the gateway did not show it fails."""
+    stalled: list[Any] = []
+    caplog.set_level(logging.DEBUG, logger="shapegate.health")  # on a failure: why the load scrapes did not land
     async with wire.new_session(headers={"Authorization": f"Bearer {USER_KEY}"}) as http:
-        # A streaming vLLM sometimes leaves /metrics unanswered for its whole generation (its API
-        # server shares a core with everything else); another try from a quiet engine then succeeds.
-        for _ in range(3):
-            await wire.wait_quiet(http, target.engine_url, target.quirks.running_gauge)
-            seen, history = await _hold_and_watch(http, target, within=HOLD_S[target.engine])
-            attempts.append(history)
-            if seen:
-                break
 
         async def released() -> bool:
             fams = await gateway_metrics(http, target.url)
             return labelled(fams, "shapegate_engine_running", "shapegate_engine_running", backend=target.name) == 0
 
-        await wait_for(released, timeout=PATIENCE_S[target.engine], interval=0.05)
-    if not seen and target.name == "vllm-real" and all(
-            any(r == STARVED or (r[5] == 0 and r[4] >= 2) or r[5] == STARVED for r in history)
-            for history in attempts):
-        # Each time vLLM's own /metrics (read by the test, not through the gateway) said 0 running while the
-        # gateway still held the streams, or did not answer at all: it had generated everything while its
-        # starved API server was still sending, or was starved of the CPU (2 cores), so there was no load for
-        # the gateway to show, nor for the test to judge it by.
-        pytest.skip(f"vLLM's API server was starved on every attempt (readings: {attempts})")
-    assert seen, attempts
-    # an engine that answers its scrapes shows the load at the first attempt
-    assert len(attempts) == 1 or target.name == "vllm-real", attempts
+        for _ in range(HOLD_TRIES):
+            await wire.wait_quiet(http, target.engine_url, target.quirks.running_gauge)
+            # From a gateway that has scraped the engine at rest: a new one's first scrape may still be out.
+            await wait_for(released, timeout=PATIENCE_S[target.engine], interval=0.05)
+            seen, history, ages = await _hold_and_watch(http, target, within=HOLD_S[target.engine])
+            await wait_for(released, timeout=PATIENCE_S[target.engine], interval=0.05)
+            if seen or any(reading[5] == 2 for reading in history):
+                break
+            stalled.append(history)
+        else:
+            pytest.fail(f"the engine never ran the held streams in {HOLD_TRIES} attempts: {stalled}")
+    assert seen, {"readings": history, "load sample ages (s)": ages, "attempts the engine stalled": stalled}
 
 
 def _check_boot(boot: Boot, engine_refused_until: float | None) -> None:
