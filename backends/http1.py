@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from backends.slots import Slots
 from gateway.contracts import (ReplyTooLarge, UpstreamConnectError, UpstreamDisconnected, UpstreamError,
                                UpstreamProtocolError)
 
@@ -18,6 +19,7 @@ from gateway.contracts import (ReplyTooLarge, UpstreamConnectError, UpstreamDisc
 HIGH_WATER = 256 * 1024
 # An engine's reply head: larger, or with more header lines, is a protocol error.
 MAX_HEAD = 64 * 1024
+FIRST_PART = 4096  # of a large first read, parsed before the rest (Connection.data_received)
 MAX_HEADERS = 100
 MAX_INTERIM = 8  # 1xx replies before the real one
 
@@ -108,6 +110,10 @@ class Response:
         return [(k, v.strip(" \t")) for k, _, v in (line.partition(":") for line in self._lines)]
 
     @property
+    def streaming(self) -> bool:
+        return self.headers.get("content-type", "").startswith("text/event-stream")
+
+    @property
     def broken(self) -> bool:
         return self._done and self._error is not None
 
@@ -164,6 +170,7 @@ class Connection(asyncio.Protocol):
         self._complete = True  # no reply outstanding
         self._until_close = False
         self._keep_alive = True
+        self._later: bytes | None = None  # the rest of a read whose first part went first (FIRST_PART)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -172,6 +179,8 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc) -> None:
+        if self._later is not None:
+            self._parse_later()  # the end of the connection comes after the bytes read before it
         self.closed = True
         if self._complete:
             return
@@ -199,6 +208,31 @@ class Connection(asyncio.Protocol):
         return fut
 
     def data_received(self, data: bytes) -> None:
+        if self._later is not None:
+            # More bytes before the rest of the earlier read was parsed (several reads in one loop turn): all of
+            # it now, in order, so that what waits unparsed is never more than one read.
+            later, self._later = self._later, None
+            data = later + data
+        if self._resp is None and not self._complete and len(data) > FIRST_PART:
+            # A reply's head and the start of its body in one large read (a fast engine's whole stream): its
+            # first events reach the client before the rest is parsed, one loop turn later.
+            self._parse(data[:FIRST_PART])
+            if self.closed:
+                return
+            resp = self._resp
+            if resp is not None and resp.streaming and not self._complete:
+                self._later = data[FIRST_PART:]
+                self.loop.call_soon(self._parse_later)
+                return
+            data = data[FIRST_PART:]
+        self._parse(data)
+
+    def _parse_later(self) -> None:
+        later, self._later = self._later, None
+        if later is not None and not self.closed:
+            self._parse(later)
+
+    def _parse(self, data: bytes) -> None:
         if self._complete:
             # Bytes nobody asked for (an idle connection, or after a whole reply): were it reused, they would
             # pass for the next request's reply.
@@ -335,7 +369,7 @@ class HostPool:
     """
 
     def __init__(self, url: str, limit: int, connect_timeout: float, keepalive_s: float,
-                 idle_timeout: float, opener: Opener | None = None, shared: asyncio.Semaphore | None = None) -> None:
+                 idle_timeout: float, opener: Opener | None = None, shared: Slots | None = None) -> None:
         u = urlsplit(url)
         self.loop = asyncio.get_running_loop()
         self.scheme = u.scheme
@@ -344,7 +378,7 @@ class HostPool:
         self.host_header = u.netloc.rpartition("@")[2]  # never the URL's credentials
         self.base_path = u.path.rstrip("/")
         self.ssl = ssl_mod.create_default_context() if u.scheme == "https" else None
-        self.sem = asyncio.Semaphore(limit)
+        self.sem = Slots(limit)
         self.shared = shared
         self.in_use = 0  # requests holding a slot: sent, or their reply not yet read to the end
         self.idle: deque[Connection] = deque()
@@ -409,18 +443,12 @@ class HostPool:
     async def _take_slot(self, deadline: float) -> None:
         """A slot of this pool and, with a shared bound, one of all pools; waiting for either counts against
         the deadline: a hung engine holding every connection must not queue new requests without bound."""
-        if self.sem.locked():
-            async with asyncio.timeout_at(deadline):
-                await self.sem.acquire()
-        else:
-            await self.sem.acquire()  # returns at once
-        if self.shared is not None:
+        if not self.sem.try_take():
+            await self.sem.take(deadline)
+        shared = self.shared
+        if shared is not None and not shared.try_take():
             try:
-                if self.shared.locked():
-                    async with asyncio.timeout_at(deadline):
-                        await self.shared.acquire()
-                else:
-                    await self.shared.acquire()
+                await shared.take(deadline)
             except BaseException:
                 self.sem.release()
                 raise

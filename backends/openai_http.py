@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, ClassVar, Mapping
 
@@ -10,6 +9,7 @@ import aiohttp
 import orjson
 
 from backends.http1 import HostPool, Response
+from backends.slots import Slots
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
 # A health answer, a /metrics page or a warm-up reply larger than this is an engine fault, not data.
@@ -89,7 +89,7 @@ class OpenAIHTTPBackend:
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,
-                 keepalive_s: float = 30.0, shared_limit: asyncio.Semaphore | None = None) -> None:
+                 keepalive_s: float = 30.0, shared_limit: Slots | None = None) -> None:
         self.id = id
         self.url = url
         self._session = session  # probes and scrapes; requests go through the lean pool below

@@ -25,6 +25,7 @@ from gateway.experiment_share import share_loop as experiment_share_loop
 from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
 from gateway.key_admin import create_key, list_keys, revoke_key
+from gateway.limits import reservation_headers
 from gateway.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.metrics import LeanHistogram
 from gateway.request import GATEWAY, Exchange, RequestState
@@ -64,7 +65,7 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         headers["x-shapegate-backend"] = st.backend
         headers["x-shapegate-reason"] = st.reason or (err.code or "error")
         if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
-            headers.update(st.limit.headers)
+            headers.update(reservation_headers(st.limit))
         return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)

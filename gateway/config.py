@@ -36,7 +36,8 @@ class ServerConfig(Strict):
     max_connections: int = Field(10_000, ge=16)
     # Connections in the middle of sending a request head or body; past it the oldest one gets a 408.
     max_reading_connections: int = Field(1024, ge=1)
-    # Start-up's objects frozen out of garbage collection before serving (gateway/loop_watch.py).
+    # Start-up's objects frozen out of garbage collection before serving, and the young generation sized for
+    # the requests in flight (gateway/loop_watch.py).
     gc_freeze: bool = True
 
 

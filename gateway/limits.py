@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from math import floor
 from typing import TYPE_CHECKING, NoReturn
 
 from gateway.config import LimitsConfig, RateLimit
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 # check holds exactly at the boundary (rpm = 60: sixty requests at once pass, the sixty-first does not).
 REQUESTS, TOKENS = "requests", "tokens"
 KINDS = (REQUESTS, TOKENS)
-MAX_PLANS = 4096  # (key, model) plans cached; models are the configuration's, so this is never reached in use
+MAX_PLANS = 4096  # plans cached, by key or by key and model (past this, a plan is built per request)
 Clock = Callable[[], float]
+CHARGED = (OK, CLIENT_LEFT)  # results whose usage a key is charged: served, or cut short by its client
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +51,8 @@ class Plan:
     """The buckets one key's requests for one model draw from: the key's own, then the model's on top (a request
     needs room in each), with what every check of them needs worked out once."""
 
-    __slots__ = ("caps", "common", "line_parts", "limit_texts", "needs", "one_per_kind", "slots", "token_caps",
-                 "token_needs", "token_slots", "tokens_at")
+    __slots__ = ("caps", "common", "common_heads", "line_parts", "limit_texts", "needs", "one_per_kind", "rates",
+                 "slots", "token_caps", "token_needs", "token_slots", "tokens_at")
 
     def __init__(self, needs: tuple[Need, ...]) -> None:
         self.needs = needs
@@ -63,6 +65,9 @@ class Plan:
         self.limit_texts = tuple(str(n.limit) for n in needs)
         self.line_parts = tuple(LINE_PARTS[n.kind] for n in needs)
         self.common = self.tokens_at == (False, True)  # a requests and a tokens limit: costs (1, tokens)
+        self.rates = tuple(c / 60.0 for c in self.caps)  # refill per second
+        # Each kind's limit line and the name of the remaining line, the text before its value (Limiter.take).
+        self.common_heads = tuple(f"{a}{text}{b}" for (a, b, _), text in zip(self.line_parts, self.limit_texts))
         # This process's state of each bucket, bound by the limiter that uses the plan (Buckets.slots).
         self.slots: tuple[list[float], ...] = ()
         self.token_slots: tuple[list[float], ...] = ()
@@ -104,6 +109,22 @@ def duration_ms(ms: int) -> str:
     return f"{h}h{m}m{text}" if h else f"{m}m{text}"
 
 
+# The texts of durations under a minute, by part, for the x-ratelimit-reset headers every reply of a limited key
+# carries: list indexes instead of formatting. A bucket's reset is at most a minute unless usage overdrew it.
+MS_TEXTS = tuple(duration_ms(ms) for ms in range(1000))  # "0s", "1ms" ... "999ms"
+SECOND_TEXTS = tuple(str(s) for s in range(60))
+FRACTION_TEXTS = tuple(f".{ms:03d}".rstrip("0") + "s" if ms else "s" for ms in range(1000))  # "s", ".001s" ... ".999s"
+
+
+def reset_text(ms: int) -> str:
+    """duration_ms(ms), from the tables when under a minute."""
+    if ms < 1000:
+        return MS_TEXTS[ms] if ms > 0 else "0s"
+    if ms < 60000:
+        return SECOND_TEXTS[ms // 1000] + FRACTION_TEXTS[ms % 1000]
+    return duration_ms(ms)
+
+
 HEADER_NAMES = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
                 for kind in KINDS}
 # The same triple as reply-head lines: the text before each of the three values (the per-request path joins
@@ -126,7 +147,7 @@ def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: list[float
         names, cap, level = HEADER_NAMES[kind], caps[i], levels[i]
         out[names[0]] = str(int(cap))
         out[names[1]] = str(int(level)) if level > 0 else "0"
-        out[names[2]] = duration((cap - level) * 60.0 / cap)
+        out[names[2]] = reset_text(int((cap - level) * 60000.0 / cap + 0.5))
     return out
 
 
@@ -135,28 +156,16 @@ def plan_headers(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> di
     return headers(plan.needs, caps, levels)
 
 
-def plan_lines(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> str:
-    """plan_headers() as reply-head lines; the common plan (one bucket per kind) without a search or a dict."""
+def plan_lines(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> str:
+    """plan_headers() as reply-head lines; a plan with one bucket per kind without a search or a dict."""
     if not plan.one_per_kind:
         return "".join([f"{k}: {v}\r\n" for k, v in headers(plan.needs, caps, levels).items()])
     exact = caps is plan.caps  # whole limits (not this process's share): their text is ready
-    if plan.common:  # a requests and a tokens bucket, the usual plan: one f-string, no loop (every reply)
-        (rcap, tcap), (rlevel, tlevel) = caps, levels
-        rms, tms = int((rcap - rlevel) * 60000.0 / rcap + 0.5), int((tcap - tlevel) * 60000.0 / tcap + 0.5)
-        rtext, ttext = plan.limit_texts if exact else (int(rcap), int(tcap))
-        rreset = f"{rms}ms" if 0 < rms < 1000 else "0s" if rms <= 0 else duration_ms(rms)
-        treset = f"{tms}ms" if 0 < tms < 1000 else "0s" if tms <= 0 else duration_ms(tms)
-        return (f"x-ratelimit-limit-requests: {rtext}\r\n"
-                f"x-ratelimit-remaining-requests: {int(rlevel) if rlevel > 0 else 0}\r\n"
-                f"x-ratelimit-reset-requests: {rreset}\r\n"
-                f"x-ratelimit-limit-tokens: {ttext}\r\n"
-                f"x-ratelimit-remaining-tokens: {int(tlevel) if tlevel > 0 else 0}\r\n"
-                f"x-ratelimit-reset-tokens: {treset}\r\n")
     out = ""
     for (a, b, c), text, cap, level in zip(plan.line_parts, plan.limit_texts, caps, levels):
         ms = int((cap - level) * 60000.0 / cap + 0.5)
         out += (f"{a}{text if exact else int(cap)}{b}{int(level) if level > 0 else 0}{c}"
-                f"{f'{ms}ms' if 0 < ms < 1000 else duration_ms(ms)}\r\n")
+                f"{reset_text(ms)}\r\n")
     return out
 
 
@@ -173,15 +182,14 @@ class Buckets:
     def slots(self, needs: tuple[Need, ...]) -> tuple[list[float], ...]:
         return tuple([self._state.setdefault(n.name, [math.inf, 0.0]) for n in needs])
 
-    def take_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...],
-                   costs: tuple[int, ...]) -> tuple[int, list[float]]:
+    def take_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], costs: tuple[int, ...],
+                   now: float) -> tuple[int, list[float]]:
         """(index of the first bucket without room, or -1 when all had room and were charged; levels after)."""
-        now = self.clock()
         levels = []
         short = -1
         for i, s in enumerate(slots):  # one pass to check, one to charge: the per-request path
             cap = caps[i]
-            level = s[0] + (now - s[1]) * cap / 60.0
+            level = s[0] + (now - s[1]) * (cap / 60.0)
             if level > cap:
                 level = cap
             if short < 0 and level < costs[i]:
@@ -194,29 +202,11 @@ class Buckets:
             s[1] = now
         return -1, levels
 
-    def take_common(self, slots: tuple[list[float], ...], caps: tuple[float, ...], tokens: int) -> list[float] | None:
-        """take_slots() for a requests bucket and a tokens bucket, unrolled: the levels after, or None (nothing
-        charged) when either has no room."""
-        now = self.clock()
-        (r, t), (rcap, tcap) = slots, caps
-        rlevel = r[0] + (now - r[1]) * rcap / 60.0
-        if rlevel > rcap:
-            rlevel = rcap
-        tlevel = t[0] + (now - t[1]) * tcap / 60.0
-        if tlevel > tcap:
-            tlevel = tcap
-        if rlevel < 1 or tlevel < tokens:
-            return None
-        r[0] = rlevel = rlevel - 1
-        t[0] = tlevel = tlevel - tokens
-        r[1] = t[1] = now
-        return [rlevel, tlevel]
-
     def adjust_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], delta: int) -> None:
         """Charge `delta` more tokens (a refund when negative) once a request's usage is known."""
         now = self.clock()
         for s, cap in zip(slots, caps):
-            level = s[0] + (now - s[1]) * cap / 60.0
+            level = s[0] + (now - s[1]) * (cap / 60.0)
             s[0] = (cap if level > cap else level) - delta
             s[1] = now
 
@@ -225,33 +215,23 @@ class Buckets:
             s[0] = math.inf
 
 
-class Reservation:
-    """What a request took: its buckets' levels after (the headers its replies carry), and the tokens to settle
-    once usage is known."""
-
-    __slots__ = ("caps", "levels", "plan", "shared", "tokens")
-
-    def __init__(self, plan: Plan, caps: tuple[float, ...], levels: list[float], tokens: int, shared: bool) -> None:
-        self.plan = plan
-        self.caps = caps  # the plan's limits, or this process's share of them
-        self.levels = levels
-        self.tokens = tokens
-        self.shared = shared  # taken from the shared store (settled there), else from this process's buckets
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return plan_headers(self.plan, self.caps, self.levels)
+# What a request took from its key's buckets, kept on its state until it ends: (plan, caps: the plan's limits or this
+# process's share of them, its buckets' levels after, tokens taken, taken from the shared store (settled there)
+# rather than this process's buckets). A plain tuple: one is made for every request of a limited key, in a
+# quarter of the time a named tuple takes. Its replies' x-ratelimit lines are on the request's state (limit_lines).
+Reservation = tuple[Plan, tuple[float, ...], Sequence[float], int, bool]
 
 
-def header_lines(r: Reservation | None) -> str:
-    """The x-ratelimit lines of a reply head: none for a request that took from no bucket."""
-    return plan_lines(r.plan, r.caps, r.levels) if r is not None else ""
+def reservation_headers(r: Reservation) -> dict[str, str]:
+    """The x-ratelimit headers of a reservation (what an error reply after it carries)."""
+    plan, caps, levels, _, _ = r
+    return plan_headers(plan, caps, levels)
 
 
 def used_tokens(o: Outcome | None) -> int:
     """Tokens a request is charged: the usage of a reply that was served (or cut short by its client); nothing
     for a request no engine served (refused, engine failed, rejected by the engine as invalid)."""
-    if o is None or o.result not in (OK, CLIENT_LEFT):
+    if o is None or o.result not in CHARGED:
         return 0
     return o.prompt_tokens + o.completion_tokens
 
@@ -288,60 +268,84 @@ class Limiter:
         if shared is not None:
             shared.on_recover = self.local.clear  # each outage starts from full local buckets
         self.local_share = local_share  # how many processes split a limit when this one enforces it alone
-        self._plans: dict[tuple[str, str], tuple[RateLimit, Plan | None]] = {}
+        self.share = local_share() if shared is None else 1  # memory state: a worker group's size, fixed at start
+        self._plans: dict[str | tuple[str, str], tuple[RateLimit, Plan | None]] = {}
         self.unsettled = 0  # requests that took from a bucket and have not ended yet
 
     def plan(self, principal: Principal, model: str, defaults: LimitsConfig) -> Plan | None:
-        """The buckets a request of this key for this model draws from; None (at once) for a key without limits."""
+        """The buckets a request of this key for this model draws from; None for a key without limits."""
         limits = principal.limits if principal.limits is not None else defaults
-        if limits.rpm is None and limits.tpm is None and not limits.models:
-            return None
-        per_model = limits.models.get(model)
-        key = (principal.id, model if per_model is not None else "")
+        # One plan per key, and one per key and model for a model with limits of its own.
+        key: str | tuple[str, str] = (principal.id, model) if model in limits.models else principal.id
         hit = self._plans.get(key)
         if hit is not None and hit[0] is limits:  # a reload or another key set makes new objects
             return hit[1]
-        built = build_plan(principal.id, limits, model, per_model)
+        built = build_plan(principal.id, limits, model, limits.models.get(model))
         plan = built.bind(self.local) if built.needs else None
         if len(self._plans) < MAX_PLANS:
             self._plans[key] = (limits, plan)
         return plan
 
-    def take(self, st: RequestState, plan: Plan, tokens: int) -> None:
+    def take(self, st: RequestState, plan: Plan, tokens: int, now: float, share: int = 0) -> None:
         """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
-        the 429 of the first without room."""
-        share = self.local_share()
-        if share == 1 and plan.common:  # the usual plan at whole limits: the path every request of such a key takes
-            levels = self.local.take_common(plan.slots, plan.caps, tokens)
-            if levels is not None:
-                st.limit = Reservation(plan, plan.caps, levels, tokens, False)
+        the 429 of the first without room. `share`: how many processes split each limit (0: the fixed number of
+        a memory-state group)."""
+        share = share or self.share
+        if share == 1 and plan.common:
+            # The usual plan (a requests and a tokens bucket) at whole limits, the path every request of such a key
+            # takes: unrolled, and its lines written here. Anything else, a refusal included (it says why), goes
+            # the general way below, which decides the same (a test holds them together).
+            r, t = plan.slots
+            rcap, tcap = plan.caps
+            rrate, trate = plan.rates
+            rlevel = r[0] + (now - r[1]) * rrate
+            if rlevel > rcap:
+                rlevel = rcap
+            tlevel = t[0] + (now - t[1]) * trate
+            if tlevel > tcap:
+                tlevel = tcap
+            if rlevel >= 1 and tlevel >= tokens:
+                r[0] = rlevel = rlevel - 1
+                t[0] = tlevel = tlevel - tokens
+                r[1] = t[1] = now
+                # floor() rather than int(): the same for these non-negative numbers, in a third of the time
+                rms, tms = floor((rcap - rlevel) * 60000.0 / rcap + 0.5), floor((tcap - tlevel) * 60000.0 / tcap + 0.5)
+                rhead, thead = plan.common_heads
+                lines = (f"{rhead}{floor(rlevel)}\r\n"
+                         f"x-ratelimit-reset-requests: {MS_TEXTS[rms] if rms < 1000 else reset_text(rms)}\r\n"
+                         f"{thead}{floor(tlevel)}\r\n"
+                         f"x-ratelimit-reset-tokens: {MS_TEXTS[tms] if tms < 1000 else reset_text(tms)}\r\n")
+                st.limit = (plan, plan.caps, (rlevel, tlevel), tokens, False)
+                st.limit_lines = lines
                 self.unsettled += 1
                 return
-        costs = plan.costs(tokens)  # the general path, also for a refusal of the usual plan (it says why)
+        costs = plan.costs(tokens)
         # With several processes and no shared store, this process's share: never below one request or the
         # tokens of this one.
         caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
                                                    for c, cost in zip(plan.caps, costs)])
-        refused, levels = self.local.take_slots(plan.slots, caps, costs)
+        refused, levels = self.local.take_slots(plan.slots, caps, costs, now)
         if refused >= 0:
             self._refuse(st, plan, caps, levels, costs, refused)
-        st.limit = Reservation(plan, caps, levels, tokens, False)
+        st.limit = (plan, caps, levels, tokens, False)
+        st.limit_lines = plan_lines(plan, caps, levels)
         self.unsettled += 1
 
     async def reserve(self, st: RequestState, plan: Plan, tokens: int, cfg: LimitsConfig) -> None:
-        """take(), from the buckets shared through Redis when the state is (this process's when Redis does not
-        answer in time)."""
+        """take(), from the buckets shared through Redis when the state is (this process's, on its share of each
+        limit, when Redis does not answer in time)."""
         shared = self.shared
         if shared is None:
-            return self.take(st, plan, tokens)
+            return self.take(st, plan, tokens, self.local.clock())
         costs = plan.costs(tokens)
         result = await shared.take(plan.needs, costs, cfg.redis_timeout_s)
         if result is None:
-            return self.take(st, plan, tokens)
+            return self.take(st, plan, tokens, self.local.clock(), self.local_share())
         refused, levels = result
         if refused >= 0:
             self._refuse(st, plan, plan.caps, levels, costs, refused)
-        st.limit = Reservation(plan, plan.caps, levels, tokens, True)
+        st.limit = (plan, plan.caps, levels, tokens, True)
+        st.limit_lines = plan_lines(plan, plan.caps, levels)
         self.unsettled += 1
 
     def _refuse(self, st: RequestState, plan: Plan, caps: tuple[float, ...], levels: list[float],
@@ -354,16 +358,21 @@ class Limiter:
         """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
         st.limit = None
         self.unsettled -= 1
-        plan = r.plan
+        plan, caps, _, tokens, shared = r
         if not plan.token_needs:
             return
-        delta = used_tokens(st.outcome) - r.tokens
+        o = st.outcome  # used_tokens(o), written out: this runs for every request of a limited key
+        delta = (o.prompt_tokens + o.completion_tokens if o is not None and o.result in CHARGED else 0) - tokens
         if delta == 0:
             return
-        if r.shared and self.shared is not None:
+        if shared and self.shared is not None:
             self.shared.settle(plan.token_needs, delta)
+        elif plan.common and caps is plan.caps:  # the usual plan at whole limits: one tokens bucket
+            t, cap, now = plan.slots[1], caps[1], self.local.clock()
+            level = t[0] + (now - t[1]) * plan.rates[1]
+            t[0] = (cap if level > cap else level) - delta
+            t[1] = now
         else:
-            caps = r.caps
             token_caps = plan.token_caps if caps is plan.caps else tuple(
                 [c for c, t in zip(caps, plan.tokens_at) if t])
             self.local.adjust_slots(plan.token_slots, token_caps, delta)

@@ -18,7 +18,6 @@ from gateway.errors import (GatewayError, bad_request, error_from_event, model_n
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
                               charge_timeout, settle)
 from gateway.headers import trace_headers
-from gateway.limits import header_lines
 from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.request import RequestState
 from gateway.shape import classify, session_of
@@ -67,15 +66,16 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
+    now = time.monotonic()
     plan = g.limiter.plan(st.principal, shape.model, g.cfg.limits)  # None for a key without rate limits
     if plan is not None:  # take from its buckets or raise a 429: at once from this process's, or through Redis
         if g.limiter.shared is None:
-            g.limiter.take(st, plan, shape.prompt_tokens + shape.output_tokens)
+            g.limiter.take(st, plan, shape.prompt_tokens + shape.output_tokens, now)
         else:
             await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, g.cfg.limits)
+            now = time.monotonic()
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
-    now = time.monotonic()
     candidates = g.pool.candidates(shape.model, shape.klass, now)
     arm = None
     if g.experiments and shape.model in g.experiments.models:
@@ -198,7 +198,9 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
     reply = None
     outcome_ok, engine_ok, left, status, meter = False, False, False, 502, None
     usage: dict | None = None
-    first_by = asyncio.get_running_loop().time() + first_byte_s
+    # A stream's deadline for its first byte (only streams wait for one past the head; get_running_loop costs
+    # a getpid syscall, which a non-streamed request need not pay)
+    first_by = asyncio.get_running_loop().time() + first_byte_s if shape.stream else 0.0
     try:
         try:
             reply = await b.adapter.forward(call, first_byte_s)
@@ -237,7 +239,7 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             st.tap.add(data)
         if started > b.last_output:
             b.last_output = started
-        return ex.reply(status, g.reply_headers(st, reply.headers), rename(data), header_lines(st.limit))
+        return ex.reply(status, g.reply_headers(st, reply.headers), rename(data), st.limit_lines)
     except Retryable as r:
         status = r.error.status
         raise
@@ -305,7 +307,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     opts = st.body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).
-    resp = await ex.open_stream(g.reply_headers(st, reply.headers), header_lines(st.limit))
+    resp = await ex.open_stream(g.reply_headers(st, reply.headers), st.limit_lines)
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
                      max_event=g.cfg.upstream.max_event_bytes)
     task = asyncio.current_task()  # the handler's own task (request.task is the connection's)

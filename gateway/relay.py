@@ -197,10 +197,15 @@ class SSERelay:
     def _ordinary(self, block: bytes, now: float) -> None:
         """Timing and finish detection for events that need no parsing."""
         m = self.meter
-        if block.count(b"\n\n") <= 1:
+        if block.find(b"\n\n") >= len(block) - 2:  # one event (the block ends with its blank line)
             tokens = 1 if is_token_event(block) else 0
         else:  # several events arrived together: look at each (a role-only chunk may come first)
-            tokens = sum(1 for ev in block.split(b"\n\n") if ev and is_token_event(ev))
+            tokens = 0
+            for ev in block.split(b"\n\n"):
+                # The usual token event decided inline, as is_token_event's first marker would; the rest by it.
+                i = ev.find(b'"content":"')
+                if (i >= 0 and ev[i + 11:i + 12] != b'"') or (ev and is_token_event(ev)):
+                    tokens += 1
         if tokens:
             if m.t_first is None:
                 m.t_first = now

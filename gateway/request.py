@@ -46,7 +46,7 @@ class RequestState:
     it, its body and shape, where it went and why, and how its last attempt ended."""
 
     __slots__ = ("request_id", "ex", "route", "principal", "t_in", "raw", "body", "shape", "backend", "reason",
-                 "outcome", "split", "shadow", "tap", "limit")
+                 "outcome", "split", "shadow", "tap", "limit", "limit_lines")
 
     def __init__(self, request_id: str, ex: Exchange, route: str) -> None:
         self.request_id = request_id
@@ -64,3 +64,4 @@ class RequestState:
         self.shadow: tuple[Experiment, Arm] | None = None  # the shadow experiment and arm a copy may go to
         self.tap: Tap | None = None  # where the reply goes when a copy went out (gateway/shadow.py)
         self.limit: Reservation | None = None  # what it took from its key's rate limits (gateway/limits.py)
+        self.limit_lines = ""  # ...and the x-ratelimit header lines its replies carry

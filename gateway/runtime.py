@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -16,6 +15,7 @@ import orjson
 
 import backends
 import policies
+from backends.slots import Slots
 from gateway.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.context import PromptSizer
@@ -56,21 +56,23 @@ def build_routing(cfg: GatewayConfig) -> tuple[Policy, dict[str, Policy]]:
 
 
 class AccessLog:
-    """One JSON line per request, batched, and written to stdout without ever blocking the loop."""
+    """One JSON line per request, batched, and written to stdout without ever blocking the loop. A request
+    leaves its fields as a tuple (log_line's arguments); they become JSON at the next flush, off its path."""
 
     def __init__(self, enabled: bool, stream=None, on_drop: Callable[[int], None] | None = None) -> None:
         self.enabled = enabled
         self._stream = stream or sys.stdout
+        self._entries: list[tuple] = []  # log_line's arguments, one tuple per request, not yet made into lines
         self._lines: list[bytes] = []
         self._rest = b""  # the unwritten tail of a partial write; goes out first
         self._fd: int | None = None
         self._was_blocking = True
         self._on_drop = on_drop
 
-    def write(self, entry: dict) -> None:
+    def add(self, entry: tuple) -> None:
         if self.enabled:
-            self._lines.append(orjson.dumps(entry))
-            if len(self._lines) >= 256:
+            self._entries.append(entry)
+            if len(self._entries) >= 256:
                 self.flush()
 
     def _fileno(self) -> int | None:
@@ -86,6 +88,9 @@ class AccessLog:
         return self._fd if self._fd >= 0 else None
 
     def flush(self) -> None:
+        if self._entries:
+            self._lines += [orjson.dumps(log_line(*e)) for e in self._entries]
+            self._entries.clear()
         if not self._lines and not self._rest:
             return
         fd = self._fileno()
@@ -121,7 +126,7 @@ class AccessLog:
 
     def close(self) -> None:
         """Last flush at shutdown: wait for stdout rather than lose the final lines; leave stdout as it was."""
-        if self._lines or self._rest:
+        if self._entries or self._lines or self._rest:
             fd = self._fileno()
             if fd is not None:
                 os.set_blocking(fd, True)
@@ -147,7 +152,7 @@ class Gateway:
                                             shared=cfg.state.backend == "redis")
         self.pool = Pool([])
         # [upstream] pool_limit: client requests in flight to all engines together (each holds a connection).
-        self.upstream_slots = asyncio.Semaphore(cfg.upstream.pool_limit)
+        self.upstream_slots = Slots(cfg.upstream.pool_limit)
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
@@ -235,7 +240,7 @@ class Gateway:
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
             h[ARM_HEADER] = arm_of(st)
-        return h  # a key with limits: its x-ratelimit headers follow as lines (limits.header_lines)
+        return h  # a key with limits: its x-ratelimit headers follow as lines (RequestState.limit_lines)
 
     # -- record stage ----------------------------------------------------------------------------
     def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
@@ -279,26 +284,28 @@ class Gateway:
         if st.tap is not None and not st.tap.done.done():
             st.tap.done.set_result(st.outcome)  # the shadow copy's comparison may start
         if self.access_log.enabled:
-            self.access_log.write(self._log_line(st, status, result))
+            x = st.split or (st.shadow[0] if st.shadow is not None else None)
+            self.access_log.add((time.time(), st.request_id, st.principal.id if st.principal is not None else None,
+                                 st.shape, st.backend, st.reason, status, result, st.outcome,
+                                 x.name if x is not None else None, arm_of(st) if x is not None else None))
 
-    def _log_line(self, st: RequestState, status: int, result: str) -> dict:
-        shape, o, principal = st.shape, st.outcome, st.principal
-        line = {"ts": round(time.time(), 3), "request_id": st.request_id,
-                "principal": principal.id if principal is not None else None,
-                "model": None, "class": None, "backend": st.backend or None, "reason": st.reason or None,
-                "status": status, "outcome": result, "stream": None, "ttft_ms": None, "itl_ms": None,
-                "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None, "experiment": None, "arm": None}
-        x = st.split or (st.shadow[0] if st.shadow is not None else None)
-        if x is not None:
-            line["experiment"], line["arm"] = x.name, arm_of(st)
-        if shape is not None:
-            line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
-        if o is not None:
-            if status == 200 and not o.ok:
-                line["status"] = o.status  # the stream had started (200 sent), then failed
-            line["ttft_ms"], line["itl_ms"], line["e2e_ms"] = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
-            line["prompt_tokens"], line["completion_tokens"] = o.prompt_tokens, o.completion_tokens
-        return line
+
+def log_line(ts: float, request_id: str, principal: str | None, shape: RequestShape | None, backend: str,
+             reason: str, status: int, result: str, o: Outcome | None, experiment: str | None,
+             arm: str | None) -> dict:
+    """A request's access-log line from the fields its end left (AccessLog.add)."""
+    line = {"ts": round(ts, 3), "request_id": request_id, "principal": principal,
+            "model": None, "class": None, "backend": backend or None, "reason": reason or None,
+            "status": status, "outcome": result, "stream": None, "ttft_ms": None, "itl_ms": None,
+            "e2e_ms": None, "prompt_tokens": None, "completion_tokens": None, "experiment": experiment, "arm": arm}
+    if shape is not None:
+        line["model"], line["class"], line["stream"] = shape.model, shape.klass, shape.stream
+    if o is not None:
+        if status == 200 and not o.ok:
+            line["status"] = o.status  # the stream had started (200 sent), then failed
+        line["ttft_ms"], line["itl_ms"], line["e2e_ms"] = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
+        line["prompt_tokens"], line["completion_tokens"] = o.prompt_tokens, o.completion_tokens
+    return line
 
 
 def request_result(o: Outcome | None, status: int) -> str:

@@ -91,6 +91,42 @@ async def test_chunked_body_split_anywhere_decodes_exactly(seed):
         server.close()
 
 
+@pytest.mark.parametrize("framing", ["chunked", "until-close"])
+async def test_a_whole_stream_in_one_read_comes_out_whole_first_part_first(framing):
+    """Head and 800 events in one write (a zero-delay engine's whole reply): the first part of that read is
+    parsed before the rest, and nothing is lost or reordered, also when the engine closes right after."""
+    events = [b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(800)] + [b"data: [DONE]\n\n"]
+    if framing == "chunked":
+        reply = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+    else:
+        reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + b"".join(events)
+    assert len(reply) > 4 * 4096
+
+    async def handler(reader, writer):
+        for _ in range(2 if framing == "chunked" else 1):
+            await read_request(reader)
+            writer.write(reply)  # one write: one read on the gateway's side
+            await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    p = pool(url)
+    try:
+        for _ in range(2 if framing == "chunked" else 1):
+            r = await p.request("POST", "/x", {}, b"{}", 5)
+            first = await anext(r.iter_chunks())
+            assert first.startswith(events[0]) and len(first) <= 4096
+            rest = b"".join([c async for c in r.iter_chunks()])
+            assert first + rest == b"".join(events)
+            r.close()
+        if framing == "chunked":
+            assert p.idle and p.idle[0].used == 2, "the connection was reused after the split read"
+    finally:
+        p.close()
+        server.close()
+
+
 async def test_stale_keepalive_connection_is_retried_on_a_fresh_one():
     served = []
 

@@ -7,6 +7,7 @@ import gc
 
 import aiohttp
 
+from gateway.loop_watch import YOUNG_THRESHOLD
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, gateway_config, start_gateway
 from tests.integration.test_metrics import Scrape
@@ -19,11 +20,13 @@ async def scrape(url: str) -> Scrape:
 
 
 async def test_lag_and_gc_pauses_are_measured_and_startup_objects_frozen():
+    before = gc.get_threshold()
     engine = await FakeEngine(Knobs()).start()
     gw = await start_gateway(gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m1"]}]))
     try:
         # What start-up made is out of the collector's view while the gateway runs.
         assert gc.get_freeze_count() > 10_000
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD  # young collections sized for the requests in flight
         deadline = asyncio.get_running_loop().time() + 5
         while True:
             gc.collect(0)  # a young collection, as the request path's allocations cause
@@ -39,6 +42,7 @@ async def test_lag_and_gc_pauses_are_measured_and_startup_objects_frozen():
         await gw.stop()
         await engine.stop()
     assert gc.get_freeze_count() == 0  # released at shutdown: a process running many gateways keeps nothing
+    assert gc.get_threshold() == before
 
 
 def test_a_collection_inside_a_metric_lock_does_not_wait_for_that_lock():

@@ -10,8 +10,8 @@ from gateway.auth import Principal
 from gateway.config import KeyLimits, LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.errors import GatewayError
-from gateway.limits import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, headers, plan_lines,
-                            used_tokens)
+from gateway.limits import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, duration_ms, headers,
+                            plan_lines, reservation_headers, reset_text, used_tokens)
 from gateway.metrics import Metrics
 from gateway.request import RequestState
 from gateway.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
@@ -34,7 +34,7 @@ def test_durations_are_written_as_openai_writes_them(seconds, text):
 
 
 def take(b: Buckets, needs: tuple[Need, ...], caps: tuple[float, ...], costs: tuple[int, ...]):
-    return b.take_slots(b.slots(needs), caps, costs)  # a limiter binds the slots to its plans once
+    return b.take_slots(b.slots(needs), caps, costs, b.clock())  # a limiter binds the slots to its plans once
 
 
 def adjust(b: Buckets, needs: tuple[Need, ...], caps: tuple[float, ...], delta: int) -> None:
@@ -189,14 +189,14 @@ async def test_the_limiter_reserves_refuses_and_settles():
     st = request(p)
     await lim.reserve(st, needs, 400, cfg)
     assert st.limit is not None
-    h = st.limit.headers
+    h = reservation_headers(st.limit)
     assert h["x-ratelimit-remaining-requests"] == "1" and h["x-ratelimit-remaining-tokens"] == "600"
     st.outcome = outcome(OK, prompt=20, completion=30)
     lim.settle(st, st.limit)
     assert lim.unsettled == 0 and st.limit is None
     st2 = request(p)
     await lim.reserve(st2, needs, 100, cfg)
-    assert st2.limit is not None and st2.limit.headers["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
+    assert st2.limit is not None and reservation_headers(st2.limit)["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
     with pytest.raises(GatewayError) as ei:
         await lim.reserve(request(p), needs, 1, cfg)
     e = ei.value
@@ -232,7 +232,7 @@ async def test_each_process_holds_its_share_of_a_limit():
     lim2 = Limiter(Metrics(list), lambda: 4, clock=Clock())
     st = request(p)
     await lim2.reserve(st, lim2.plan(p, "m", cfg), 80, cfg)
-    assert st.limit is not None and st.limit.headers["x-ratelimit-limit-requests"] == "15"
+    assert st.limit is not None and reservation_headers(st.limit)["x-ratelimit-limit-requests"] == "15"
 
 
 @pytest.mark.parametrize("data, value", [
@@ -255,18 +255,35 @@ def test_redis_errors_and_garbage():
     assert encode(("EVALSHA", "ab", 1, "k", 60)) == b"*5\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n1\r\n$1\r\nk\r\n$2\r\n60\r\n"
 
 
-def test_the_unrolled_usual_plan_decides_as_the_general_path():
+def test_the_unrolled_usual_plan_decides_and_settles_as_the_general_path():
+    """Limiter.take's path for a requests and a tokens bucket at whole limits against the general bucket code:
+    the same decisions, levels, bucket state and settlements, and reply-head lines that say what its headers say."""
     rnd = random.Random(7)
     clock = Clock()
-    fast, general = Buckets(clock), Buckets(clock)
-    needs, caps = (rpm(5), tpm(300)), (5.0, 300.0)
-    fast_slots, general_slots = fast.slots(needs), general.slots(needs)
+    lim, general = Limiter(Metrics(list), lambda: 1, clock=clock), Buckets(clock)
+    p = Principal("k", admin=False)
+    plan = lim.plan(p, "m", LimitsConfig(rpm=5, tpm=300))
+    assert plan is not None and plan.common
+    general_slots = general.slots(plan.needs)
     for _ in range(500):
         clock.now += rnd.choice((0.0, 0.05, 0.5, 3.0))
         tokens = rnd.randint(0, 120)
-        levels = fast.take_common(fast_slots, caps, tokens)
-        refused, general_levels = general.take_slots(general_slots, caps, (1, tokens))
-        assert (levels is None) == (refused >= 0)
-        if levels is not None:
-            assert levels == general_levels
-        assert [s[:] for s in fast_slots] == [s[:] for s in general_slots]
+        st = request(p)
+        try:
+            lim.take(st, plan, tokens, clock.now)
+        except GatewayError:
+            pass
+        refused, general_levels = general.take_slots(general_slots, plan.caps, (1, tokens), clock.now)
+        assert (st.limit is None) == (refused >= 0)
+        if st.limit is not None:
+            assert list(st.limit[2]) == general_levels
+            assert st.limit_lines == as_lines(reservation_headers(st.limit)) == plan_lines(plan, plan.caps, general_levels)
+            clock.now += rnd.choice((0.0, 0.2, 2.0))
+            st.outcome = outcome(rnd.choice((OK, OK, CLIENT_LEFT, ENGINE_ERROR)), rnd.randint(0, 60), rnd.randint(0, 90))
+            lim.settle(st, st.limit)
+            general.adjust_slots(general_slots[1:], plan.caps[1:], used_tokens(st.outcome) - tokens)
+        assert [s[:] for s in plan.slots] == [s[:] for s in general_slots]
+
+
+def test_reset_texts_are_durations():
+    assert all(reset_text(ms) == duration_ms(ms) for ms in range(-3, 130000))

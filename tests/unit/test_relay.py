@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 
@@ -83,6 +85,22 @@ async def test_a_burst_sends_its_first_token_before_the_rest():
     relay = SSERelay(Writes(), StreamMeter(), strip_usage=True, rename=ModelRewrite("n"))
     await feed_all(relay, ROLE + TOK + TOK, 10_000)
     assert writes[0] == ROLE + TOK + TOK
+
+
+KINDS = [ROLE, NULL, TOK, FIN, b'data: {"choices":[{"text": "x"}]}\n\n', b'data: {"choices":[{"text":""}]}\n\n',
+         b'data: {"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}\n\n', b": keep-alive\n\n",
+         ev({"choices": [{"delta": {"content": "", "reasoning": "r"}}]}), ev({"choices": [{"delta": {"content": "a"}}]})]
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_token_events_of_a_block_are_those_of_its_events_one_by_one(seed):
+    # Several events in one read are counted in one pass; the count must be what each event alone would give.
+    rng = random.Random(seed)
+    events = [rng.choice(KINDS) for _ in range(rng.randint(1, 40))]
+    meter = StreamMeter()
+    relay = SSERelay(Sink(), meter, strip_usage=False, rename=ModelRewrite("n"))
+    await relay.feed(b"".join(events))
+    assert meter.token_events == sum(is_token_event(e) for e in events)
 
 
 async def test_relay_keeps_usage_when_asked_and_adds_done_after_error():
