@@ -62,10 +62,10 @@ GET_REPLIES = {
 class EngineProtocol(asyncio.Protocol):
     """Keep-alive HTTP/1.1: reads whole requests, answers each at once."""
 
-    def __init__(self, nonstream: bytes, stream: list[bytes], stream_no_usage: list[bytes]) -> None:
+    def __init__(self, nonstream: bytes, stream: bytes, stream_no_usage: bytes) -> None:
         self.buf = b""
         self.nonstream = nonstream
-        self.stream = stream
+        self.stream = stream  # a whole streamed reply: head, chunked events and the last chunk
         self.stream_no_usage = stream_no_usage
 
     def connection_made(self, transport) -> None:
@@ -94,20 +94,19 @@ class EngineProtocol(asyncio.Protocol):
                 path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
                 self.transport.write(GET_REPLIES.get(path, HEALTH))
             elif b'"stream":true' in body or b'"stream": true' in body:
-                self.transport.write(STREAM_HEAD)
-                events = self.stream if b'"include_usage":true' in body or b'"include_usage": true' in body \
-                    else self.stream_no_usage
-                for c in events:
-                    self.transport.write(c)
-                self.transport.write(b"0\r\n\r\n")
+                self.transport.write(self.stream if b'"include_usage":true' in body
+                                     or b'"include_usage": true' in body else self.stream_no_usage)
             else:
                 self.transport.write(self.nonstream)
 
 
 async def serve(host: str, port: int, chunks: int) -> None:
     loop = asyncio.get_running_loop()
-    stream = _stream_events(chunks)
-    no_usage = stream[:-2] + stream[-1:]
+    events = _stream_events(chunks)
+    # One write per reply. Written event by event (200 send calls), a client on this process's core saw 1.35 ms of
+    # first-token latency added by a gateway at c=1 against 0.47 ms on the gateway's core (2 cores): the engine's
+    # own sending was in the measure. With one write, 0.45-0.50 ms wherever the client ran.
+    stream, no_usage = (STREAM_HEAD + b"".join(evs) + b"0\r\n\r\n" for evs in (events, events[:-2] + events[-1:]))
     server = await loop.create_server(lambda: EngineProtocol(_nonstream_reply(), stream, no_usage), host, port,
                                       backlog=1024)
     async with server:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import TARGET_CPU_US, gateway_config, reload  # noqa: E402
-from overhead import BODIES, KEY, cpu_seconds, free_port, wait_http  # noqa: E402
+from overhead import BODIES, KEY, cpu_seconds, cpu_times, free_port, wait_http  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +29,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def config(path: Path, engine: str, limits: bool) -> None:
-    # Long probe intervals: background work inside the counted window is then a few probes in all.
-    gateway_config(path, engine, limits, False, "", health="interval_s = 30\nload_interval_s = 30\nload_stale_s = 120\n")
+    # Probes an hour apart: after the first (at start) none falls inside a counted window.
+    gateway_config(path, engine, limits, False, "",
+                   health="interval_s = 3600\nload_interval_s = 3600\nload_stale_s = 7200\n")
 
 
 def send(port: int, n: int) -> None:
@@ -65,7 +66,7 @@ def dumped_total(out_dir: Path, before: set[Path]) -> int:
     raise RuntimeError("no callgrind dump appeared")
 
 
-def counted(args, tmp: Path, engine: str) -> list[dict]:
+def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
     """One gateway under callgrind, its [limits] switched by reloads; instructions per request of each phase."""
     cfg, port = tmp / "counted.toml", free_port()
     config(cfg, engine, False)
@@ -75,11 +76,25 @@ def counted(args, tmp: Path, engine: str) -> list[dict]:
                           f"--callgrind-out-file={out_dir}/callgrind.out.%p",
                           sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    points = []
+    points: list[dict] = []
+    idles: list[dict] = []
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", timeout=300)
         send(port, args.warm)
         for rnd in range(args.rounds):
+            # The gateway's timers (loop-lag probe, connection sweeps) run by wall time, and callgrind stretches each
+            # counted window differently: their rate, counted with no request in flight, is taken out of each window.
+            before = set(out_dir.glob("callgrind.out*"))
+            callgrind(p.pid, "--zero")
+            callgrind(p.pid, "--instr=on")
+            t0 = time.monotonic()
+            time.sleep(args.idle)
+            callgrind(p.pid, "--instr=off")
+            idle_s = time.monotonic() - t0
+            callgrind(p.pid, "--dump")
+            idle = {"round": rnd, "idle_s": idle_s, "instructions": dumped_total(out_dir, before)}
+            idles.append(idle)
+            print(json.dumps(idle), flush=True)
             for limits in ((False, True) if rnd % 2 == 0 else (True, False)):
                 config(cfg, engine, limits)
                 reload(f"http://127.0.0.1:{port}")
@@ -87,27 +102,24 @@ def counted(args, tmp: Path, engine: str) -> list[dict]:
                 before = set(out_dir.glob("callgrind.out*"))
                 callgrind(p.pid, "--zero")
                 callgrind(p.pid, "--instr=on")
+                t0 = time.monotonic()
                 send(port, args.requests)
                 callgrind(p.pid, "--instr=off")
+                wall_s = time.monotonic() - t0
                 callgrind(p.pid, "--dump")
                 total = dumped_total(out_dir, before)
                 if args.keep:  # for callgrind_annotate: where the instructions went
+                    Path(args.keep).mkdir(parents=True, exist_ok=True)
                     for path in set(out_dir.glob("callgrind.out*")) - before:
                         shutil.copy(path, Path(args.keep) / f"{'on' if limits else 'off'}-{rnd}-{path.name}")
-                point = {"round": rnd, "limits": limits, "instructions_per_request": total / args.requests}
+                point = {"round": rnd, "limits": limits, "instructions": total, "wall_s": wall_s,
+                         "instructions_per_request": total / args.requests}
                 points.append(point)
                 print(json.dumps(point), flush=True)
     finally:
         p.terminate()
         p.wait(60)
-    return points
-
-
-def user_seconds(pid: int) -> float:
-    """The process's CPU time in user space: what the instructions callgrind counts run in (not the kernel's
-    socket work, which limits do not change)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / os.sysconf("SC_CLK_TCK")
+    return points, idles
 
 
 def native(args, tmp: Path, engine: str) -> list[dict]:
@@ -122,10 +134,12 @@ def native(args, tmp: Path, engine: str) -> list[dict]:
         wait_http(f"http://127.0.0.1:{port}/readyz")
         send(port, args.warm * 10)
         for _ in range(args.rounds):
-            c0, u0 = cpu_seconds(p.pid), user_seconds(p.pid)
+            # user time: what the instructions callgrind counts run in (not the kernel's socket work, which
+            # limits do not change)
+            c0, u0 = cpu_seconds(p.pid), cpu_times(p.pid)[0]
             send(port, args.native_requests)
             out.append({"cpu_us": (cpu_seconds(p.pid) - c0) / args.native_requests * 1e6,
-                        "user_us": (user_seconds(p.pid) - u0) / args.native_requests * 1e6})
+                        "user_us": (cpu_times(p.pid)[0] - u0) / args.native_requests * 1e6})
     finally:
         p.terminate()
         p.wait(30)
@@ -134,18 +148,28 @@ def native(args, tmp: Path, engine: str) -> list[dict]:
 
 def markdown(res: dict) -> str:
     c = res["conditions"]
-    by = {(p["round"], p["limits"]): p["instructions_per_request"] for p in res["points"]}
+    n = c["requests"]
+    idle_rates = [i["instructions"] / i["idle_s"] for i in res["idle"]]
+    idle_rate = statistics.median(idle_rates)  # instructions per second of the gateway's timers, no request in flight
+
+    def per_request(p: dict) -> float:  # the window's instructions without its timers' share
+        return (p["instructions"] - idle_rate * p["wall_s"]) / n
+
+    by = {(p["round"], p["limits"]): p for p in res["points"]}
     rounds = sorted({p["round"] for p in res["points"]})
-    off = [by[(r, False)] for r in rounds]
-    on = [by[(r, True)] for r in rounds]
+    off = [per_request(by[(r, False)]) for r in rounds]
+    on = [per_request(by[(r, True)]) for r in rounds]
+    raw_added = [by[(r, True)]["instructions_per_request"] - by[(r, False)]["instructions_per_request"] for r in rounds]
     added = [b - a for a, b in zip(off, on)]
-    cpu = [n["cpu_us"] for n in res["native"]]
-    user = [n["user_us"] for n in res["native"]]
+    cpu = [x["cpu_us"] for x in res["native"]]
+    user = [x["user_us"] for x in res["native"]]
     ns_per_instr = statistics.median(user) * 1000 / statistics.median(off)
     added_us = [a * ns_per_instr / 1000 for a in added]
     verdict = "meets" if max(added_us) < TARGET_CPU_US else "misses"
-    rows = "\n".join(f"| {r} | {a:,.0f} | {b:,.0f} | {b - a:+,.0f} ({(b - a) / a * 100:+.1f} %) | "
-                     f"{(b - a) * ns_per_instr / 1000:+.1f} |" for r, (a, b) in zip(rounds, zip(off, on)))
+    walls = [p["wall_s"] for p in res["points"]]
+    rows = "\n".join(
+        f"| {r} | {a:,.0f} | {b:,.0f} | {b - a:+,.0f} ({(b - a) / a * 100:+.1f} %) | {(b - a) * ns_per_instr / 1000:+.1f} | "
+        f"{raw:+,.0f} |" for r, a, b, raw in zip(rounds, off, on, raw_added))
     return f"""# Rate limits: CPU per request, counted in instructions
 
 `{c['command']}`
@@ -153,21 +177,23 @@ def markdown(res: dict) -> str:
 One gateway process runs under `valgrind --tool=callgrind` in front of `benchmarks/fast_engine.py` (a zero-delay
 engine); its `[limits]` are switched off and on by a configuration reload (limits so high that every request is
 checked and charged and none is refused; order alternating by round). In each phase, after {c['warm']} requests
-to warm the new plan, callgrind's counters are zeroed, {c['requests']:,} non-streamed requests are sent one after
+to warm the new plan, callgrind's counters are zeroed, {n:,} non-streamed requests are sent one after
 another on one keep-alive connection, and the instructions the gateway process executed meanwhile are read.
 Instruction counts do not depend on how busy the machine is, as CPU time per request does (on this machine kind it
-moves by 5-30 % between runs, more than what the limits add); what still moves them is the gateway's timer-driven
-work (probes, the loop-lag timer) inside the counted window, which grows with the wall time callgrind stretches: the
-spread of the rounds below shows how much. To put the added instructions in microseconds, the same
-gateway without callgrind and with limits off served {c['native_requests']:,} requests per round from the same
-client, {c['rounds']} rounds, its CPU time read from /proc.
+moves by 5-30 % between runs, more than what the limits add). What still moves them is the gateway's timer-driven
+work (the loop-lag probe, connection sweeps), which runs by wall time, and callgrind stretches each window
+differently ({min(walls):.1f}-{max(walls):.1f} s here): each round also counts an idle window of {c['idle_s']:g} s, and
+the median idle rate ({idle_rate:,.0f} instructions/s; rounds {', '.join(f'{x:,.0f}' for x in idle_rates)}) times each
+window's wall time is taken out of it. The last column shows the difference without that correction. To put the
+added instructions in microseconds, the same gateway without callgrind and with limits off served
+{c['native_requests']:,} requests per round from the same client, {c['rounds']} rounds, its CPU time read from /proc.
 
 Conditions: commit {c['commit']} ({len(c['dirty_paths'])} paths changed in the work tree), {c['date']},
 {c['machine']}; load average before {' / '.join(f'{x:.2f}' for x in c['load_before'])},
 after {' / '.join(f'{x:.2f}' for x in c['load_after'])}.
 
-| round | instructions / request, limits off | limits on | added | added, us at this gateway's rate |
-|---|---|---|---|---|
+| round | instructions / request, limits off | limits on | added | added, us at this gateway's rate | added, uncorrected |
+|---|---|---|---|---|---|
 {rows}
 
 Native CPU per request, limits off: {statistics.median(cpu):.0f} us user+system (rounds: {', '.join(f'{x:.0f}' for x in cpu)}), of
@@ -180,7 +206,10 @@ header line or six changes no syscall).
 
 Local limits, under {TARGET_CPU_US:g} us of CPU per request: {statistics.median(added_us):+.1f} us (median of the
 rounds; range {min(added_us):+.1f}..{max(added_us):+.1f}), {statistics.median(added):+,.0f} instructions
-({statistics.median(added) / statistics.median(off) * 100:+.1f} % of a request): it {verdict} the target.
+({statistics.median(added) / statistics.median(off) * 100:+.1f} % of a request): it {verdict} the target
+({"every round under it" if verdict == "meets" else "not every round under it"}). The price of an instruction moves
+with the machine too: at the rates of the fastest and the slowest native round ({min(user) * 1000 / statistics.median(off):.3f}-{max(user) * 1000 / statistics.median(off):.3f} ns) the
+median round's instructions cost {statistics.median(added) * min(user) / statistics.median(off):.1f}-{statistics.median(added) * max(user) / statistics.median(off):.1f} us.
 """
 
 
@@ -189,7 +218,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--native-requests", type=int, default=20000)
     ap.add_argument("--warm", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)  # a round moves by a few thousand instructions: 5, not 3
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds of each round's idle window")
     ap.add_argument("--out", default=str(RESULTS / "limits_instructions"))
     ap.add_argument("--keep", help="copy callgrind's dumps of the counted phases into this directory")
     ap.add_argument("--from-json", help="re-render the report from a saved result instead of measuring")
@@ -201,7 +231,7 @@ def main() -> int:
         return 0
     conditions = {**machine(), "command": "python3 " + shlex.join(["benchmarks/limits_instructions.py", *sys.argv[1:]]),
                   "requests": args.requests, "native_requests": args.native_requests, "warm": args.warm,
-                  "rounds": args.rounds}
+                  "rounds": args.rounds, "idle_s": args.idle}
     engine_port = free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     eng = subprocess.Popen([sys.executable, "benchmarks/fast_engine.py", "--port", str(engine_port)], cwd=ROOT,
@@ -209,13 +239,13 @@ def main() -> int:
     try:
         wait_http(engine + "/health")
         with tempfile.TemporaryDirectory() as d:
-            points = counted(args, Path(d), engine)
+            points, idles = counted(args, Path(d), engine)
             cpu = native(args, Path(d), engine)
     finally:
         eng.terminate()
         eng.wait(10)
     conditions["load_after"] = os.getloadavg()
-    res = {"conditions": conditions, "points": points, "native": cpu}
+    res = {"conditions": conditions, "points": points, "idle": idles, "native": cpu}
     report = markdown(res)
     print(report)
     out = Path(args.out)

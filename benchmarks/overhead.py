@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -63,9 +64,16 @@ def wait_http(url: str, timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the process so far (/proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    user, system = cpu_times(pid)
+    return user + system
 
 
 def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict:
@@ -283,6 +291,12 @@ def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
     """In process, microseconds per request of what the switch turns off: the record stage (Gateway.record)
     plus the next routing snapshot (BackendView, which re-solves the latency model after a new sample);
     with stats on, also each part alone. Minimum over `repeats` runs of `n` calls (the least disturbed)."""
+    return asyncio.run(_record_stage_cost(n, repeats))
+
+
+async def _record_stage_cost(n: int, repeats: int) -> dict:
+    import aiohttp
+
     from gateway.config import parse_config
     from gateway.contracts import Outcome, RequestShape
     from gateway.runtime import Gateway, build_policy
@@ -301,9 +315,10 @@ def record_stage_cost(n: int = 20_000, repeats: int = 5) -> dict:
         cfg = parse_config({"auth": {"enabled": False}, "stats": {"enabled": enabled, "warmup_samples": 0},
                             "backends": [{"id": "e", "engine": "openai", "url": "http://127.0.0.1:9",
                                           "models": ["bench"]}]}, build_policy)
-        g = Gateway(cfg)
-        b = g.make_backend(cfg.backends[0])
-        g.pool.add(b)
+        async with aiohttp.ClientSession() as session:  # (an engine adapter is made on the client session)
+            g = Gateway(cfg, session)
+            b = g.make_backend(cfg.backends[0])
+        g.pool.add(b)  # (nothing below sends a request)
         for kind, stream in (("nonstream", False), ("stream", True)):
             shape = RequestShape("bench", "chat", stream, 8, 200, "default")
             o = Outcome("e", shape, True, 200, ttft=0.002 if stream else None, itl=0.0001 if stream else None,

@@ -1,0 +1,208 @@
+"""Where a non-streamed request's CPU goes: the gateway with its defaults, with each optional feature off and with all
+of them off, beside an aiohttp proxy and a proxy that passes bytes on unread, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_tail import med, save_and_render  # noqa: E402
+from overhead import BODIES, WRK_SCRIPT, cpu_times, free_port, run_wrk, wait_http, write_gateway_config  # noqa: E402
+from routing_conditions import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# The gateway's optional per-request features, and what switching each off means in its config.
+FEATURES = {"access log": "access log off ([server] access_log = false)",
+            "stats upkeep": "stats upkeep off ([stats] enabled = false: counters only)",
+            "API-key auth": "auth off ([auth] enabled = false)",
+            "shape routing": "round robin ([routing] policy = \"round_robin\" instead of the default shape)"}
+GATEWAYS = {"defaults": (), **{f"no {f}": (f,) for f in FEATURES}, "all four off": tuple(FEATURES)}
+REFERENCES = {"aiohttp proxy": "benchmarks/floor_proxy.py: aiohttp server and client, the body parsed once",
+              "bytes proxy": "benchmarks/bytes_proxy.py: uvloop protocols passing bytes on unread"}
+TARGETS = (*GATEWAYS, *REFERENCES)
+
+
+def gateway_config(path: Path, engine: str, off: tuple[str, ...]) -> Path:
+    sections = '[routing]\npolicy = "round_robin"\n' if "shape routing" in off else ""
+    cfg = write_gateway_config(path, engine, access_log="access log" not in off, stats="stats upkeep" not in off,
+                               sections=sections)
+    if "API-key auth" in off:  # (the key stays listed: wrk sends it to every target alike)
+        cfg.write_text(cfg.read_text().replace("[[auth.keys]]", "[auth]\nenabled = false\n[[auth.keys]]", 1))
+    return cfg
+
+
+def start(tmp: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]]:
+    """Every target on its own port: name -> (base URL, pid)."""
+    engine = f"http://127.0.0.1:{engine_port}"
+    out = {}
+    for name in TARGETS:
+        port = free_port()
+        if name in GATEWAYS:
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config",
+                   str(gateway_config(tmp / f"{len(out)}.toml", engine, GATEWAYS[name])), "--port", str(port)]
+        elif name == "aiohttp proxy":
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), "--port", str(port),
+                   "--upstream", engine]
+        else:
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_proxy.py"), "--port", str(port),
+                   "--upstream-port", str(engine_port)]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(p)
+        out[name] = (f"http://127.0.0.1:{port}", p.pid)
+        wait_http(out[name][0] + ("/readyz" if name != "bytes proxy" else "/health"))
+    return out
+
+
+def syscalls(pid: int, url: str, script: str, seconds: float) -> dict:
+    """Syscalls per request by name, counted by strace over a wrk run of its own (strace slows the target: its
+    counts stand, its timings are not used)."""
+    out = Path(script).with_suffix(f".{pid}.strace")
+    tracer = subprocess.Popen(["strace", "-f", "-c", "-q", "-p", str(pid), "-o", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached to every thread before the load starts
+    r = run_wrk(url, BODIES["nonstream"], 64, seconds, script)
+    tracer.send_signal(signal.SIGINT)
+    tracer.wait(30)
+    calls = {}
+    for line in out.read_text().splitlines():
+        parts = line.split()
+        if len(parts) in (5, 6) and parts[0][0].isdigit() and parts[-1] != "total":
+            calls[parts[-1]] = int(parts[3]) / max(r["requests"], 1)
+    return calls
+
+
+def measure(args) -> dict:
+    cond = {**machine(), "command": " ".join(["python3 benchmarks/cpu_budget.py", *sys.argv[1:]]),
+            "seconds": args.seconds, "repeats": args.repeats}
+    cond["wrk"] = " ".join(subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[:2])
+    points: list[dict] = []
+    traced: dict[str, dict] = {}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        script = tmp / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        engine_port = free_port()
+        try:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
+                                           str(engine_port)]))
+            wait_http(f"http://127.0.0.1:{engine_port}/health")
+            targets = start(tmp, engine_port, procs)
+            for base, _ in targets.values():  # imports, connections, caches
+                run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 64, 1.0, str(script))
+            for rep in range(args.repeats):
+                turn = rep * 3 % len(TARGETS)
+                for name in (*TARGETS[turn:], *TARGETS[:turn]):
+                    base, pid = targets[name]
+                    u0, s0 = cpu_times(pid)
+                    r = run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 64, args.seconds, str(script))
+                    u1, s1 = cpu_times(pid)
+                    n = max(r["requests"], 1)
+                    r.update(target=name, rep=rep, rps=r["requests"] / (r["duration_us"] / 1e6),
+                             user_us=(u1 - u0) / n * 1e6, sys_us=(s1 - s0) / n * 1e6)
+                    r["cpu_us"] = r["user_us"] + r["sys_us"]
+                    points.append(r)
+                    print(json.dumps(r), flush=True)
+            if shutil.which("strace"):
+                for name, (base, pid) in targets.items():
+                    traced[name] = syscalls(pid, base + "/v1/chat/completions", str(script), 2.0)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=10)
+    cond["load_after"] = os.getloadavg()
+    return {"conditions": cond, "points": points, "syscalls": traced}
+
+
+def _per_round(points: list[dict], a: str, b: str, key: str = "cpu_us") -> list[float]:
+    """a's figure minus b's, round by round (each pair ran within the same round)."""
+    by = {(p["target"], p["rep"]): p[key] for p in points}
+    return sorted(by[(a, r)] - by[(b, r)] for r in sorted({p["rep"] for p in points}) if (b, r) in by and (a, r) in by)
+
+
+def markdown(data: dict) -> str:
+    c, pts = data["conditions"], data["points"]
+    f = {t: {k: med([p[k] for p in pts if p["target"] == t]) for k in ("cpu_us", "user_us", "sys_us", "rps")}
+         for t in TARGETS if any(p["target"] == t for p in pts)}
+    sc = data.get("syscalls") or {}
+    lines = ["# Where a request's CPU goes", "",
+             f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
+                                                           if c["dirty_paths"] else "") +
+             f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
+             f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`; {c['wrk']}.", "",
+             f"Non-streamed requests from wrk at c=64 (2 threads), {c['seconds']:g} s per target and round, "
+             f"{c['repeats']} rounds, the targets' order rotated between rounds; one zero-delay engine "
+             "(`benchmarks/fast_engine.py`, a 16-token reply); every target and wrk share the machine's cores. "
+             "The gateways run this tree with `benchmarks/overhead.py`'s config (API-key auth, JSON access log to "
+             "/dev/null, stats upkeep, the default shape policy), less what each row switches off. CPU per request = "
+             "the process's user and system time (/proc) over the requests wrk completed. Medians of the rounds, "
+             "± = (max-min)/median." + (" Syscalls per request: counted by strace over 2 s more of the same load "
+                                        "per target, after the rounds." if sc else " (strace was not installed: "
+                                                                                    "no syscall counts.)"), "",
+             "| target | CPU / request us | user us | system us | req/s | syscalls / request |",
+             "|---|---|---|---|---|---|"]
+    for t, v in f.items():
+        calls = sc.get(t, {})
+        top = ", ".join(f"{k} {n:.2f}" for k, n in sorted(calls.items(), key=lambda x: -x[1]) if n >= 0.05)
+        lines.append(f"| {t} | {v['cpu_us'][0]:,.1f} (±{v['cpu_us'][1]:.0%}) | {v['user_us'][0]:,.1f} | "
+                     f"{v['sys_us'][0]:,.1f} | {v['rps'][0]:,.0f} (±{v['rps'][1]:.0%}) | "
+                     + (f"{sum(calls.values()):.2f} ({top})" if calls else "-") + " |")
+    lines += ["", "What each switches off: " + "; ".join(f"**no {k}**: {v}" for k, v in FEATURES.items())
+              + ". References: " + "; ".join(f"**{k}**: {v}" for k, v in REFERENCES.items()) + ".", ""]
+    reading = []
+    if "defaults" in f:
+        d = f["defaults"]["cpu_us"][0]
+        for feat in FEATURES:
+            saved = _per_round(pts, "defaults", f"no {feat}")
+            if saved:
+                reading.append(f"- {feat}: {statistics.median(saved):,.1f} us per request "
+                               f"({statistics.median(saved) / d:.0%} of the defaults' {d:,.1f} us; per round "
+                               f"{', '.join(f'{x:,.1f}' for x in saved)}).")
+        all_off = _per_round(pts, "defaults", "all four off")
+        if all_off and "all four off" in f:
+            a = f["all four off"]
+            reading.append(f"- All four together: {statistics.median(all_off):,.1f} us (per round "
+                           f"{', '.join(f'{x:,.1f}' for x in all_off)}); with all four off the gateway spends "
+                           f"{a['cpu_us'][0]:,.1f} us per request ({a['user_us'][0]:,.1f} user, "
+                           f"{a['sys_us'][0]:,.1f} system).")
+        if "bytes proxy" in f and "all four off" in f:
+            b, a = f["bytes proxy"], f["all four off"]
+            reading.append(f"- The bytes proxy spends {b['cpu_us'][0]:,.1f} us ({b['user_us'][0]:,.1f} user, "
+                           f"{b['sys_us'][0]:,.1f} system): the gateway with all four off spends "
+                           f"{a['cpu_us'][0] / b['cpu_us'][0]:,.1f}x that, {a['user_us'][0] - b['user_us'][0]:,.1f} us "
+                           "more in user space: its request path with no optional feature (framing and checking "
+                           "the client's request and the engine's reply, the request's task, picking a backend, "
+                           "the upstream exchange, the reply) costs that much more than passing bytes on.")
+        if "aiohttp proxy" in f:
+            reading.append(f"- The aiohttp proxy: {f['aiohttp proxy']['cpu_us'][0]:,.1f} us per request, the "
+                           f"defaults {d / f['aiohttp proxy']['cpu_us'][0]:.2f}x that.")
+    if sc:
+        totals = {t: sum(v.values()) for t, v in sc.items() if v}
+        if totals:
+            lo, hi = min(totals.items(), key=lambda x: x[1]), max(totals.items(), key=lambda x: x[1])
+            reading.append(f"- Syscalls per request range from {lo[1]:.2f} ({lo[0]}) to {hi[1]:.2f} ({hi[0]}).")
+    return "\n".join(lines + ["## Reading", "", *reading, ""])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
+    args = ap.parse_args()
+    save_and_render("cpu_budget", None if args.render else measure(args), markdown)
+
+
+if __name__ == "__main__":
+    main()
