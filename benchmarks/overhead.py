@@ -375,13 +375,17 @@ def main() -> int:
                    "(before / after); bc28cc9 or later, older config models lack [stats] enabled")
     p.add_argument("--stats-compare", action="store_true",
                    help="stats upkeep on vs off, side by side; writes results/stats_overhead.{md,json}")
+    p.add_argument("--render", action="store_true", help="only write OUT.md again from OUT.json")
     args = p.parse_args()
     if args.stats_compare:
         return write_stats_compare(args)
+    out = Path(args.out)
+    if args.render:
+        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        return 0
     results = measure(args)
     report = markdown(results)
     print(report)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(report)

@@ -191,6 +191,10 @@ requests wrk completed; for streams a request is one stream of 200 chunks, and c
 events (role, 200 tokens, finish, usage).{ratios}"""
 
 
+def points(n: int) -> str:
+    return "none" if n == 0 else "1 point" if n == 1 else f"{n} points"
+
+
 def markdown(results: dict) -> str:
     c, pts, gws = results["conditions"], results["points"], gateways(results)
     method = METHOD.format(gateways=TARGETS[gws[0]].format(**c), events=EVENTS, ratios=(
@@ -199,8 +203,8 @@ def markdown(results: dict) -> str:
     if len(gws) == 2 and c["repeats"] > 1:
         rs = [ratios(pts, k, n, "cpu_per_req_us") for k, n in cells(results)]
         below, above = sum(max(r) < 1 for r in rs), sum(min(r) > 1 for r in rs)
-        bullets.append(f"- CPU per request over the {len(rs)} points: after/before below 1.0 in every repeat at "
-                       f"{below}, above 1.0 in every repeat at {above}, a range including 1.0 at "
-                       f"{len(rs) - below - above}.")
+        bullets.append(f"- CPU per request, after/before, over the {len(rs)} points: below 1.0 in every repeat at "
+                       f"{points(below)}, above 1.0 in every repeat at {points(above)}, a range including 1.0 at "
+                       f"{points(len(rs) - below - above)}.")
     return (f"# Gateway overhead\n\n{conditions(c)}\n\n{method}\n\n{table(results)}\n\n## Reading\n\n"
             + "\n".join(bullets + notes(results)) + "\n")
