@@ -31,6 +31,13 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
+def schedstat(pid: int) -> tuple[float, float, int]:
+    """The main thread's time on a core, its time runnable but waiting for one (seconds), and its time slices:
+    lag that is waiting for a core is the machine's contention, not the loop's own work."""
+    run_ns, wait_ns, slices = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[:3]
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9, int(slices)
+
+
 def more_files() -> None:
     """Open files up to FILES if this process may raise its hard limit, else up to the hard limit."""
     try:
@@ -112,15 +119,20 @@ def measure(args) -> dict:
             opened = json.loads(client.stdout.readline() or "{}")
             out["all_open"] = opened
             time.sleep(2.0)  # the last streams' heads and first tokens
-            f0, c0, t0 = loop_figures(base), cpu_seconds(gw.pid), time.monotonic()
+            others = {"engine": procs[0].pid, "client": client.pid}
+            o0 = {k: cpu_seconds(pid) for k, pid in others.items()}
+            f0, c0, s0, t0 = loop_figures(base), cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
             peak = rss_mb(gw.pid)
             window = max(args.hold - 4.0, 2.0)
             while time.monotonic() - t0 < window:
                 time.sleep(1.0)
                 peak = max(peak, rss_mb(gw.pid))
-            f1, c1, t1 = loop_figures(base), cpu_seconds(gw.pid), time.monotonic()
+            f1, c1, s1, t1 = loop_figures(base), cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
+            o1 = {k: cpu_seconds(pid) for k, pid in others.items()}
             lag = {k: v - f0.get(k, 0.0) for k, v in f1.items()}
             out.update(rss_held_mb=peak, window_s=t1 - t0, cpu_share=(c1 - c0) / (t1 - t0),
+                       others_cpu_share={k: (o1[k] - o0[k]) / (t1 - t0) for k in others},
+                       loop_thread={"run_s": s1[0] - s0[0], "wait_s": s1[1] - s0[1], "slices": s1[2] - s0[2]},
                        lag_samples=lag.get("shapegate_event_loop_lag_seconds_count", 0.0),
                        lag_p50_le_s=lag_quantile(lag, 0.5), lag_p99_le_s=lag_quantile(lag, 0.99),
                        lag_max_le_s=lag_quantile(lag, 1.0), gc_ramp=gc_figures(f_idle, f0), gc_window=gc_figures(f0, f1))
@@ -136,6 +148,18 @@ def measure(args) -> dict:
                 p.wait(timeout=15)
     out["conditions"]["load_after"] = os.getloadavg()
     return out
+
+
+def sched_rows(r: dict) -> list[str]:
+    """How busy the machine was while all streams were open, and how long the loop's thread waited for a core."""
+    if "loop_thread" not in r:  # (results saved before these were recorded)
+        return []
+    t, w = r["loop_thread"], r["window_s"]
+    per_slice_ms = 1000 * t["wait_s"] / t["slices"] if t["slices"] else 0.0
+    o = r["others_cpu_share"]
+    return [f"| engine / client CPU while all open | {o['engine']:.0%} / {o['client']:.0%} of one core |",
+            f"| the loop's thread runnable but waiting for a core (/proc schedstat) | {1000 * t['wait_s'] / w:,.0f} ms "
+            f"per second, {per_slice_ms:.2f} ms per wait on average ({t['slices']:,} time slices) |"]
 
 
 def markdown(r: dict) -> str:
@@ -169,6 +193,7 @@ def markdown(r: dict) -> str:
         f"| loop lag p50 / p99 (bucket bounds) | {r['lag_p50_le_s'] * 1000:g} ms / {lag99 * 1000:g} ms "
         f"({r['lag_samples']:.0f} samples; every sample within {(r['lag_max_le_s'] or 0) * 1000:g} ms) |"
         if lag99 is not None and r["lag_p50_le_s"] is not None else "| loop lag | no samples |",
+        *sched_rows(r),
         f"| tokens received by the client | {cl['tokens']:,} |",
         *[f"| garbage collections {when} (generation: count, pause) | "
           + "; ".join(f"{g}: {int(n)}, {ms:,.1f} ms" for g, (n, ms) in r[key].items()) + " |"
