@@ -83,7 +83,7 @@ class Response:
             w.set_result(None)
 
     # -- called by the consumer ----------------------------------------------------------------
-    async def _next(self) -> bytes | None:
+    async def next_chunk(self) -> bytes | None:
         while not self._chunks:
             if self._done:
                 if self._error is not None:
@@ -119,7 +119,7 @@ class Response:
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         while True:
-            data = await self._next()
+            data = await self.next_chunk()
             if data is None:
                 return
             yield data
@@ -130,7 +130,7 @@ class Response:
         parts: list[bytes] = []
         total = 0
         while True:
-            data = await self._next()
+            data = await self.next_chunk()
             if data is None:
                 break
             total += len(data)

@@ -450,6 +450,11 @@ class FrontConnection(asyncio.Protocol):
         """Write, then wait while the client reads slower than the engine writes (write_timeout_s at most)."""
         self.send_now(data)
         if self.write_paused:
+            await self.drained()
+
+    async def drained(self) -> None:
+        """Wait until the client has taken enough of its reply to write again (write_timeout_s at most)."""
+        if self.write_paused:
             self.deadline = self.loop.time() + self.cfg.write_timeout_s
             self.drain_waiter = self.loop.create_future()
             try:

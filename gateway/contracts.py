@@ -155,6 +155,10 @@ class UpstreamReply(Protocol):
 
     def iter_chunks(self) -> AsyncIterator[bytes]: ...
 
+    async def next_chunk(self) -> bytes | None:
+        """The next piece of the body as it arrived, None at its end (iter_chunks without an async generator:
+        a stream's relay takes every token this way)."""
+
     async def read(self, limit: int, *, truncate: bool = False) -> bytes:
         """The whole body up to `limit` bytes: past it ReplyTooLarge, or with truncate=True its first `limit`."""
 

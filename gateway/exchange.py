@@ -163,7 +163,10 @@ class FrontStream:
 
     async def write(self, data: bytes) -> None:
         if data:
-            await self.ex.conn.send(self._frame(data, False))
+            conn = self.ex.conn
+            conn.send_now(self._frame(data, False))
+            if conn.write_paused:  # (conn.send, without a coroutine per write while the client keeps up)
+                await conn.drained()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.ex.done:

@@ -233,6 +233,11 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         except TRANSPORT_ERRORS as e:
             charge(b)
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
+        if not data and status != 204:
+            # A success with nothing in it answers nothing (a client's JSON parser fails on it): the engine's fault,
+            # and another backend may still answer.
+            charge(b)
+            raise Retryable(upstream_failed("the engine sent an empty reply"))
         usage = usage_of(data)
         outcome_ok = True
         if st.tap is not None:
@@ -275,19 +280,18 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
                        rename: ModelRewrite, started: float, first_by: float) -> Any:
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     ex = st.ex
-    chunks = reply.iter_chunks().__aiter__()
     try:
         async with asyncio.timeout_at(first_by):  # one deadline from sending the request to the first byte
-            first = await chunks.__anext__()
-    except StopAsyncIteration:
-        charge(b)
-        raise Retryable(upstream_failed("the engine closed the stream without sending anything")) from None
+            first = await reply.next_chunk()
     except TimeoutError as e:
         charge_timeout(b, started, g.cfg.health)
         raise Retryable(upstream_timeout("no first token in time")) from e
     except TRANSPORT_ERRORS as e:
         charge(b)
         raise Retryable(upstream_failed("connection lost before the first token")) from e
+    if first is None:
+        charge(b)
+        raise Retryable(upstream_failed("the engine closed the stream without sending anything"))
     if reply.broken:
         # The engine's reply broke in the same read as its first bytes: the client has seen nothing yet.
         charge(b)
@@ -322,9 +326,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
             while True:
                 # Only reading from the engine is guarded: a failed write means the client left, not the engine.
                 try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
+                    chunk = await reply.next_chunk()
                 except TRANSPORT_ERRORS as e:
                     charge(b)
                     g.metrics.stream_error(b.id)
@@ -332,6 +334,8 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
                     await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
                                      else upstream_failed("the engine stopped mid-stream"))
                     return resp
+                if chunk is None:
+                    break
                 if tap is not None:
                     tap.add(chunk)
                 await relay.feed(chunk)

@@ -20,7 +20,7 @@ def is_token_event(ev: bytes) -> bool:
         i = ev.find(m)
         if i >= 0 and ev[i + len(m):i + len(m) + 1] != b'"':
             return True
-    return b'"tool_calls":[{' in ev or b'"tool_calls": [{' in ev
+    return ev.find(b'"tool_calls":[{') >= 0 or ev.find(b'"tool_calls": [{') >= 0
 
 
 FIRST_WRITE_AFTER = 2048  # a first block larger than this is split after its first token event
@@ -174,11 +174,11 @@ class SSERelay:
             return b""
         # Ordinary token events are forwarded as they came; only the events from the first one that may
         # carry usage, an error or [DONE] onwards are parsed.
-        special = min((i for i in (block.find(b"[DONE]"), block.find(b'"usage"'), block.find(b'"error"'))
-                       if i >= 0), default=-1)
-        if special < 0:
+        done, usage, error = block.find(b"[DONE]"), block.find(b'"usage"'), block.find(b'"error"')
+        if done < 0 and usage < 0 and error < 0:  # (every token: no generator or min() on this path)
             self._ordinary(block, now)
             return self.rename(block)
+        special = min(i for i in (done, usage, error) if i >= 0)
         cut = block.rfind(b"\n\n", 0, special)
         start = cut + 2 if cut >= 0 else 0
         head, tail = block[:start], block[start:]
@@ -211,7 +211,9 @@ class SSERelay:
                 m.t_first = now
             m.t_last = now
             m.token_events += tokens
-        if not m.saw_finish and (b'"finish_reason":"' in block or b'"finish_reason": "' in block):
+        # find() rather than `in`: bytes' `in` first tries its operand as an integer, raising and formatting a
+        # TypeError before it searches (~10x the cost of a find on an event), and this runs for every token.
+        if not m.saw_finish and (block.find(b'"finish_reason":"') >= 0 or block.find(b'"finish_reason": "') >= 0):
             m.saw_finish = True
 
     def _one(self, ev: bytes, now: float) -> bytes | None:

@@ -67,6 +67,9 @@ ROWS = [
                                              b"Connection: Upgrade\r\n\r\n" + body_of(s)),
     Row("status-999", lambda s: cl_reply(s, status=b"999 X")),
     Row("empty-reply-then-close", empty_then_close),
+    # A sound head and an empty body: no output, so still a failure the next backend could take; well framed, so
+    # the connection may carry the next request.
+    Row("head-then-empty-chunked-body", lambda s: head(s, b"Transfer-Encoding: chunked") + b"0\r\n\r\n", reuse=True),
     Row("head-never-ends-trickled", head_trickled_forever, status=504, code="upstream_timeout", hung=True),
     Row("head-100kb", lambda s: cl_reply(s, b"X-Big: " + b"a" * 100_000)),
     Row("head-100kb-in-pieces", head_over_limit_in_pieces),
