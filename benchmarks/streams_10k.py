@@ -7,6 +7,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,12 +86,23 @@ def gc_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, l
 
 
 def measure(args) -> dict:
+    """`args.rounds` rounds, each with its own engine, gateway and client."""
     room = stream_room()
     cond = {**machine(), "command": "python3 benchmarks/streams_10k.py " + " ".join(sys.argv[1:]),
-            "asked": args.streams, "room": room, "streams": min(args.streams, room), "rate": args.rate, "hold_s": args.hold, "interval_s": 1.0}
+            "asked": args.streams, "room": room, "streams": min(args.streams, room), "rate": args.rate,
+            "hold_s": args.hold, "interval_s": 1.0, "rounds": args.rounds}
     args.streams = cond["streams"]
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(one_round(args))
+        print(json.dumps({"round": i, **{k: v for k, v in rounds[-1].items() if not isinstance(v, dict)}}), flush=True)
+    cond["load_after"] = os.getloadavg()
+    return {"conditions": cond, "rounds": rounds}
+
+
+def one_round(args) -> dict:
     tokens = int(args.streams / args.rate + args.hold + 10)
-    out: dict = {"conditions": cond, "tokens_per_stream": tokens}
+    out: dict = {"tokens_per_stream": tokens}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -146,32 +158,59 @@ def measure(args) -> dict:
                     p.terminate()
             for p in procs:
                 p.wait(timeout=15)
-    out["conditions"]["load_after"] = os.getloadavg()
     return out
 
 
-def sched_rows(r: dict) -> list[str]:
-    """How busy the machine was while all streams were open, and how long the loop's thread waited for a core."""
-    if "loop_thread" not in r:  # (results saved before these were recorded)
-        return []
-    t, w = r["loop_thread"], r["window_s"]
+def figures(r: dict) -> list[tuple[str, str]]:
+    """One round's figures, as (row label, cell text)."""
+    cl, t, o = r["client"], r["loop_thread"], r["others_cpu_share"]
     per_slice_ms = 1000 * t["wait_s"] / t["slices"] if t["slices"] else 0.0
-    o = r["others_cpu_share"]
-    return [f"| engine / client CPU while all open | {o['engine']:.0%} / {o['client']:.0%} of one core |",
-            f"| the loop's thread runnable but waiting for a core (/proc schedstat) | {1000 * t['wait_s'] / w:,.0f} ms "
-            f"per second, {per_slice_ms:.2f} ms per wait on average ({t['slices']:,} time slices) |"]
+    lag = (f"{r['lag_p50_le_s'] * 1000:g} ms / {r['lag_p99_le_s'] * 1000:g} ms ({r['lag_samples']:.0f} samples; all "
+           f"within {(r['lag_max_le_s'] or 0) * 1000:g} ms)" if r["lag_p99_le_s"] is not None
+           and r["lag_p50_le_s"] is not None else "no samples")
+    return [
+        ("streams opened / completed with [DONE]", f"{cl['opened']:,} / {cl['completed']:,}"),
+        ("time to open them all", f"{r['all_open']['seconds']:.1f} s"),
+        ("gateway RSS idle -> all open", f"{r['rss_idle_mb']:,.0f} MB -> {r['rss_held_mb']:,.0f} MB"),
+        ("memory per open stream", f"{per_stream_kb(r):,.1f} KB"),
+        ("gateway CPU while all open (share of one core)", f"{r['cpu_share']:.0%}"),
+        ("loop lag p50 / p99 (bucket bounds)", lag),
+        ("engine / client CPU while all open", f"{o['engine']:.0%} / {o['client']:.0%}"),
+        ("the loop's thread runnable but waiting for a core (/proc schedstat)",
+         f"{1000 * t['wait_s'] / r['window_s']:,.0f} ms a second, {per_slice_ms:.2f} ms a wait"),
+        ("tokens received by the client", f"{cl['tokens']:,}"),
+        *[(f"garbage collections {when} (generation: count, pause)",
+           "; ".join(f"{g}: {int(n)}, {ms:,.1f} ms" for g, (n, ms) in r[key].items()))
+          for when, key in (("while streams opened", "gc_ramp"), ("while all open", "gc_window"))]]
 
 
-def markdown(r: dict) -> str:
-    c, cl = r["conditions"], r["client"]
-    per_stream_kb = (r["rss_held_mb"] - r["rss_idle_mb"]) * 1024 / max(cl["opened"], 1)
-    errors = cl["requested"] - cl["completed"]
-    lag99 = r["lag_p99_le_s"]
-    checks = [("RSS under 1 GB with every stream open", r["rss_held_mb"] < 1024, f"{r['rss_held_mb']:,.0f} MB"),
-              ("0 errors", errors == 0, f"{errors} of {cl['requested']} streams did not end with [DONE] "
-                                        f"(statuses {cl['statuses']}, {cl['connect_errors']} connect errors)"),
-              ("loop lag p99 under 10 ms", lag99 is not None and lag99 <= 0.01,
-               f"p99 within the {lag99 * 1000:g} ms bucket" if lag99 is not None else "no samples")]
+def per_stream_kb(r: dict) -> float:
+    return (r["rss_held_mb"] - r["rss_idle_mb"]) * 1024 / max(r["client"]["opened"], 1)
+
+
+def errors(r: dict) -> int:
+    return r["client"]["requested"] - r["client"]["completed"]
+
+
+def markdown(data: dict) -> str:
+    c, rounds = data["conditions"], data["rounds"]
+    n = len(rounds)
+    lag99 = [r["lag_p99_le_s"] for r in rounds]
+    rss = [r["rss_held_mb"] for r in rounds]
+    lag_med = statistics.median(x if x is not None else math.inf for x in lag99)
+    checks = [("RSS under 1 GB with every stream open", max(rss) < 1024,
+               f"{statistics.median(rss):,.0f} MB median, {max(rss):,.0f} MB at most"),
+              ("0 errors", sum(map(errors, rounds)) == 0,
+               f"{sum(map(errors, rounds))} of {sum(r['client']['requested'] for r in rounds):,} streams did not end "
+               f"with [DONE]; statuses by round {[r['client']['statuses'] for r in rounds]}, connect errors "
+               f"{[r['client']['connect_errors'] for r in rounds]}"),
+              ("loop lag p99 under 10 ms", lag_med <= 0.01,
+               f"median of the rounds' p99 buckets {lag_med * 1000:g} ms; under 10 ms in "
+               f"{sum(1 for x in lag99 if x is not None and x <= 0.01)} of {n} rounds")]
+    rows = [f"| {label} | " + " | ".join(f[i][1] for f in map(figures, rounds)) + " |"
+            for i, (label, _) in enumerate(figures(rounds[0]))]
+    kb = [per_stream_kb(r) for r in rounds]
+    cpu = [r["cpu_share"] for r in rounds]
     return "\n".join([
         "# 10,000 concurrent streams in one gateway process", "",
         f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
@@ -180,25 +219,16 @@ def markdown(r: dict) -> str:
         f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`.", "",
         f"One gateway process (default config but for connection limits raised to fit {c['streams']:,} streams, "
         "access log on to /dev/null, API-key auth) in front of `benchmarks/slow_engine.py`, which sends one token "
-        f"per stream every {c['interval_s']:g} s ({r['tokens_per_stream']} tokens each); "
+        f"per stream every {c['interval_s']:g} s ({rounds[0]['tokens_per_stream']} tokens each); "
         f"`benchmarks/streams_client.py` opens {c['streams']:,} streams at {c['rate']:g} a second and holds "
-        "each to its end. Engine, gateway and client share the machine's cores. Memory is the gateway's RSS; "
-        "lag is its own `shapegate_event_loop_lag_seconds` over the window while every stream was open.", "",
-        "| figure | value |", "|---|---|",
-        f"| streams opened / completed with [DONE] | {cl['opened']:,} / {cl['completed']:,} |",
-        f"| time to open them all | {r['all_open']['seconds']:.1f} s |",
-        f"| gateway RSS idle -> all open | {r['rss_idle_mb']:,.0f} MB -> {r['rss_held_mb']:,.0f} MB |",
-        f"| memory per open stream | {per_stream_kb:,.1f} KB |",
-        f"| gateway CPU while all open | {r['cpu_share']:.0%} of one core over {r['window_s']:.0f} s |",
-        f"| loop lag p50 / p99 (bucket bounds) | {r['lag_p50_le_s'] * 1000:g} ms / {lag99 * 1000:g} ms "
-        f"({r['lag_samples']:.0f} samples; every sample within {(r['lag_max_le_s'] or 0) * 1000:g} ms) |"
-        if lag99 is not None and r["lag_p50_le_s"] is not None else "| loop lag | no samples |",
-        *sched_rows(r),
-        f"| tokens received by the client | {cl['tokens']:,} |",
-        *[f"| garbage collections {when} (generation: count, pause) | "
-          + "; ".join(f"{g}: {int(n)}, {ms:,.1f} ms" for g, (n, ms) in r[key].items()) + " |"
-          for when, key in (("while streams opened", "gc_ramp"), ("while all open", "gc_window")) if key in r],
-        "",
+        f"each to its end. Engine, gateway and client share the machine's cores. {n} rounds, each with a new "
+        "engine, gateway and client. Memory is the gateway's RSS; lag is its own "
+        "`shapegate_event_loop_lag_seconds` over the window while every stream was open (a window of "
+        f"{statistics.median(r['window_s'] for r in rounds):.0f} s).", "",
+        "| figure | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |", "|---|" + "---|" * n, *rows, "",
+        f"Medians of the rounds: {statistics.median(kb):,.1f} KB of memory per open stream "
+        f"({min(kb):,.1f}-{max(kb):,.1f}), gateway CPU {statistics.median(cpu):.0%} of one core "
+        f"({min(cpu):.0%}-{max(cpu):.0%}) while relaying {c['streams'] / c['interval_s']:,.0f} tokens a second.", "",
         *([f"The open-files limit this machine grants a process ({(c['room'] * 2 + SPARE_FILES):,}, not raisable "
            f"here) holds at most {c['room']:,} streams of two sockets each: {c['streams']:,} were run, not "
            f"{c['asked']:,}.", ""] if c["streams"] < c["asked"] else []),
@@ -210,6 +240,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=10_000)
     ap.add_argument("--rate", type=float, default=500.0)
     ap.add_argument("--hold", type=float, default=30.0, help="seconds with every stream open")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--render", action="store_true")
     a = ap.parse_args()
     save_and_render("streams_10k", None if a.render else measure(a), markdown)
