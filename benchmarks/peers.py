@@ -29,12 +29,13 @@ Starter = Callable[[Path, list[str]], pt.Target]
 STARTERS: dict[str, Starter] = {
     "shapegate": lambda tmp, e: pt.start_shapegate(tmp, e, 1),
     "shapegate-w2": lambda tmp, e: pt.start_shapegate(tmp, e, 2),
+    "python-floor": pt.start_parsing_proxy,
     "vllm-router": pt.start_vllm_router,
     "sglang-router": pt.start_sglang_router,
     "nginx": pt.start_nginx,
 }
 LABELS = {"direct": "direct", "shapegate": "shapegate", "shapegate-w2": "shapegate --workers 2",
-          "vllm-router": "vLLM router", "sglang-router": "SGLang router", "nginx": "nginx"}
+          "python-floor": "Python floor", "vllm-router": "vLLM router", "sglang-router": "SGLang router", "nginx": "nginx"}
 
 
 def client_point(t: pt.Target, kind: str, conc: int, seconds: float, warmup: float) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-ROWS = ("direct", "shapegate", "shapegate-w2", "vllm-router", "sglang-router", "nginx")
+ROWS = ("direct", "shapegate", "shapegate-w2", "python-floor", "vllm-router", "sglang-router", "nginx")
 REF = "vllm-router"  # the peer the targets are set against
 
 
@@ -171,6 +171,12 @@ def notes(d: Data) -> list[str]:
     if negative:
         out.append("- Added is negative for " + ", ".join(negative) + ": there the target's figure at c=1 was below "
                    "direct's in the same round, so it does not measure what the target adds (noise is larger).")
+    floor, ours, ref = (d.values(t, "nonstream", 64, "cpu_per_req_us") for t in ("python-floor", "shapegate", REF))
+    if floor and ours and ref:
+        f, s, r = (statistics.median(v) for v in (floor, ours, ref))
+        out.append(f"- CPU per non-streamed request at c=64: the Python floor {f:,.0f} us, {f / r:.2f}x the "
+                   f"{d.r['targets'][REF]['label']}'s {r:,.0f} us; shapegate {s:,.0f} us, {s / f:.1f}x the floor's. "
+                   "What shapegate spends beyond the floor is its own request path, not the language.")
     loads = [p["load_before"][0] for p in d.r["points"]]
     if loads:
         out.append(f"- 1-minute load average at the start of the points: {min(loads):.2f}-{max(loads):.2f}.")
@@ -197,6 +203,15 @@ def commands(d: Data) -> list[str]:
             if t != "direct" and v.get("status") == "ok"]
 
 
+FLOOR_TEXT = """
+
+**Python floor** is `benchmarks/parsing_proxy.py`, not a product: what a Python process (uvloop, protocol \
+callbacks, no task or future per request) spends when it reads what it routes and does nothing else: both sides \
+framed by llhttp, the key compared, the body's JSON parsed, a reply head of its own, streams re-framed read by read. \
+No health, limits, retries, routing policy, stats, metrics or logs. It shows how much of shapegate's figures is the \
+language and how much is shapegate's own work."""
+
+
 def markdown(results: dict) -> str:
     d, c = Data(results), results["conditions"]
     tree = "clean" if not c["dirty_paths"] else f"with uncommitted changes in {len(c['dirty_paths'])} paths"
@@ -204,6 +219,10 @@ def markdown(results: dict) -> str:
     rounds = ", ".join(f"{i + 1}: " + " → ".join(results["targets"][t]["label"] for t in o)
                        for i, o in enumerate(results["orders"]))
     fail = failures(d)
+    floor = "python-floor" in results["targets"]
+    floor_turn = ", the Python floor one engine per client connection, in turn" if floor else ""
+    checkers = "shapegate and the Python floor check it" if floor else "only shapegate checks it"
+    floor_text = FLOOR_TEXT if floor else ""
     return f"""# shapegate beside the peer routers
 
 Run {c['date']}, commit {c['commit']} ({tree}), `{c['command'].strip()}` ({c.get('duration_s', '?')} s). Machine: \
@@ -217,10 +236,10 @@ with one process; the vLLM and SGLang routers run as they start, with their defa
 threads of each target after its warm-up: {shapes(d)}.
 
 Setup: {c['engines']}. Every target routes over both engines (shapegate with its default policy, the routers \
-round-robin, nginx its default round-robin with upstream keep-alive); **direct** is the client straight to engine \
-1, the reference for the "added" columns (a target's figure minus direct's in the same round). shapegate has \
-API-key auth on and its JSON access log on (stdout to /dev/null); the peers' stdout goes to /dev/null as well. \
-Every target receives the same requests with the same `Authorization` header; only shapegate checks it.
+round-robin, nginx its default round-robin with upstream keep-alive{floor_turn}); **direct** is the client \
+straight to engine 1, the reference for the "added" columns (a target's figure minus direct's in the same round). \
+shapegate has API-key auth on and its JSON access log on (stdout to /dev/null); the peers' stdout goes to /dev/null \
+as well. Every target receives the same requests with the same `Authorization` header; {checkers}.{floor_text}
 
 The client (`benchmarks/peers_client.py`, its own process, uvloop, one keep-alive connection per worker, replies \
 parsed with llhttp) times each request, and for streams the first SSE data event carrying content (TTFT) and the \

@@ -1,4 +1,4 @@
-"""What the peers benchmark drives: fake engines, shapegate, the vLLM and SGLang routers, nginx; installed and run."""
+"""What the peers benchmark drives: fake engines, shapegate, a Python floor, the vLLM and SGLang routers, nginx."""
 
 from __future__ import annotations
 
@@ -229,6 +229,18 @@ def start_sglang_router(tmp: Path, engines: list[str]) -> Target:
     return Target("sglang-router", "SGLang router", url, launch(cmd, url, log), ver,
                   "python -m sglang_router.launch_router --policy round_robin --worker-urls E1 E2 "
                   "(other flags at their defaults)", log)
+
+
+def start_parsing_proxy(tmp: Path, engines: list[str]) -> Target:
+    """benchmarks/parsing_proxy.py: what a Python process spends when it reads what it routes, and no more."""
+    port = free_port()
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "parsing_proxy.py"), "--port", str(port), "--key", KEY]
+    for u in engines:
+        cmd += ["--engine", u]
+    url = f"http://127.0.0.1:{port}"
+    log = tmp / "parsing-proxy.log"
+    return Target("python-floor", "Python floor", url, launch(cmd, url, log, cwd=ROOT),
+                  f"on Python {sys.version.split()[0]}", "python3 benchmarks/parsing_proxy.py --engine E1 --engine E2 --key KEY", log)
 
 
 NGINX_CONF = """worker_processes 1;
