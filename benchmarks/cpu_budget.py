@@ -31,6 +31,8 @@ GATEWAYS = {"defaults": (), **{f"no {f}": (f,) for f in FEATURES}, "all four off
 REFERENCES = {"aiohttp proxy": "benchmarks/floor_proxy.py: aiohttp server and client, the body parsed once",
               "parsing proxy": "benchmarks/parsing_proxy.py: uvloop protocol callbacks, llhttp on both sides, the key "
                                "checked, the body's JSON parsed, a reply head of its own; no task per request",
+              "parsing proxy, tasks": "the same with --tasks: a task per request, which awaits the engine's reply "
+                                      "on a future and writes it",
               "bytes proxy": "benchmarks/bytes_proxy.py: uvloop protocols passing bytes on unread"}
 TARGETS = (*GATEWAYS, *REFERENCES)
 
@@ -53,9 +55,9 @@ def start(tmp: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]
         if name in GATEWAYS:
             cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config",
                    str(gateway_config(tmp / f"{len(out)}.toml", engine, GATEWAYS[name])), "--port", str(port)]
-        elif name == "parsing proxy":
+        elif name.startswith("parsing proxy"):
             cmd = [sys.executable, str(ROOT / "benchmarks" / "parsing_proxy.py"), "--port", str(port), "--engine",
-                   engine, "--key", KEY]
+                   engine, "--key", KEY] + (["--tasks"] if name.endswith("tasks") else [])
         elif name == "aiohttp proxy":
             cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), "--port", str(port),
                    "--upstream", engine]
@@ -198,6 +200,12 @@ def markdown(data: dict) -> str:
                            f"defaults spend {d / p['cpu_us'][0]:,.1f}x that, all four off "
                            f"{a['cpu_us'][0] / p['cpu_us'][0]:,.1f}x: the gap is the gateway's own request path, "
                            "not the language.")
+        if "parsing proxy" in f and "parsing proxy, tasks" in f:
+            p, k = f["parsing proxy"]["cpu_us"][0], f["parsing proxy, tasks"]["cpu_us"][0]
+            diff = _per_round(pts, "parsing proxy, tasks", "parsing proxy")
+            reading.append(f"- A task per request awaiting a future for the reply: {k:,.1f} us against {p:,.1f}, "
+                           f"{statistics.median(diff):+,.1f} us per request (per round "
+                           f"{', '.join(f'{x:+,.1f}' for x in diff)}): what the coroutine style itself costs.")
         if "aiohttp proxy" in f:
             reading.append(f"- The aiohttp proxy: {f['aiohttp proxy']['cpu_us'][0]:,.1f} us per request, the "
                            f"defaults {d / f['aiohttp proxy']['cpu_us'][0]:.2f}x that.")
