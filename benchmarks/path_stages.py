@@ -199,9 +199,9 @@ def markdown(data: dict) -> str:
              "gateway process the entry to each stage's function is stamped (`time.perf_counter_ns`, the first entry "
              "of each request): a row is the wall time from one stage's entry to the next's, with the loop's turns and "
              "the system calls between them (the write to the engine opens 'upstream write', the first write to the "
-             "client 'client write'). The first tenth of each round's requests is left out; of the rest, those that met the "
-             f"stages in the commonest order are counted. A stamp adds {c['stamp_cost_us']:.2f} us to the call it "
-             "wraps. Figures are medians of the rounds' medians (± = (max-min)/median).", ""]
+             "client 'client write'). The first tenth of each round's requests is left out; of the rest, those "
+             f"that met the stages in the commonest order are counted. A stamp adds {c['stamp_cost_us']:.2f} us to "
+             "the call it wraps. Figures are medians of the rounds' medians (± = (max-min)/median).", ""]
     for kind, title in (("nonstream", "Non-streamed request"), ("stream", "Streamed request (200 events)")):
         rs = [r for r in data["rounds"] if r["kind"] == kind]
         if not rs:
@@ -221,10 +221,10 @@ def markdown(data: dict) -> str:
             lines.append(f"| {p} | {m:,.1f} (±{spread:.0%}) | {share} |")
         seen = [r["client_ttft_p50_us"] if kind == "stream" else r["client_p50_us"] for r in rs]
         engine = [r["stages"].get("upstream write → engine bytes in", 0.0) for r in rs]
-        lines += ["", f"From the request's bytes to the first client write: {path_total:,.1f} us, of which the engine's "
-                  f"answer (upstream write → engine bytes in) {statistics.median(engine):,.1f} us. The client saw "
-                  f"{'a first token' if kind == 'stream' else 'a reply'} after {statistics.median(seen):,.0f} us "
-                  "(p50, its own clock). Requests counted per round: "
+        lines += ["", f"From the request's bytes to the first client write: {path_total:,.1f} us, of which the "
+                  f"engine's answer (upstream write → engine bytes in) {statistics.median(engine):,.1f} us. The "
+                  f"client saw {'a first token' if kind == 'stream' else 'a reply'} after "
+                  f"{statistics.median(seen):,.0f} us (p50, its own clock). Requests counted per round: "
                   + ", ".join(f"{r['in_order']:,} of {r['requests']:,}" for r in rs) + ". The last stage's own "
                   "time is not in the table (nothing stamps its end).", ""]
     return "\n".join(lines)

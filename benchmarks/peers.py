@@ -35,7 +35,8 @@ STARTERS: dict[str, Starter] = {
     "nginx": pt.start_nginx,
 }
 LABELS = {"direct": "direct", "shapegate": "shapegate", "shapegate-w2": "shapegate --workers 2",
-          "python-floor": "Python floor", "vllm-router": "vLLM router", "sglang-router": "SGLang router", "nginx": "nginx"}
+          "python-floor": "Python floor", "vllm-router": "vLLM router", "sglang-router": "SGLang router",
+          "nginx": "nginx"}
 
 
 def client_point(t: pt.Target, kind: str, conc: int, seconds: float, warmup: float) -> dict:

@@ -240,7 +240,8 @@ def start_parsing_proxy(tmp: Path, engines: list[str]) -> Target:
     url = f"http://127.0.0.1:{port}"
     log = tmp / "parsing-proxy.log"
     return Target("python-floor", "Python floor", url, launch(cmd, url, log, cwd=ROOT),
-                  f"on Python {sys.version.split()[0]}", "python3 benchmarks/parsing_proxy.py --engine E1 --engine E2 --key KEY", log)
+                  f"on Python {sys.version.split()[0]}",
+                  "python3 benchmarks/parsing_proxy.py --engine E1 --engine E2 --key KEY", log)
 
 
 NGINX_CONF = """worker_processes 1;
