@@ -273,7 +273,7 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
             cached_tokens=_cached(usage), running_at_start=running_at_start,
             result=OK if outcome_ok else CLIENT_ERROR if engine_ok else CLIENT_LEFT if left else ENGINE_ERROR)
-        g.record(b, shape, o, st.t_in, t0, st.split)
+        g.record_soon((b, shape, o, st.t_in, t0, st.split))
 
 
 async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: UpstreamReply, meter: StreamMeter,

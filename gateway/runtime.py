@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -156,6 +157,7 @@ class Gateway:
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
+        self._to_record: list[tuple] = []  # attempts ended in this loop turn, recorded at its end (record_soon)
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
         # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
         self.tally = Tally()
@@ -243,6 +245,24 @@ class Gateway:
         return h  # a key with limits: its x-ratelimit headers follow as lines (RequestState.limit_lines)
 
     # -- record stage ----------------------------------------------------------------------------
+    def record_soon(self, attempt: tuple) -> None:
+        """record(*attempt) at the end of this loop turn, with every attempt that ended in it: the same code run
+        over several outcomes in a row stays in the CPU's caches (at c=64, about 9 % of a non-streamed request's
+        CPU). A request routed later in the same turn sees the stats without this turn's outcomes, as if they
+        had ended a moment later."""
+        batch = self._to_record
+        batch.append(attempt)
+        if len(batch) == 1:
+            asyncio.get_running_loop().call_soon(self._record_batch)
+
+    def _record_batch(self) -> None:
+        batch, self._to_record = self._to_record, []
+        for attempt in batch:
+            try:
+                self.record(*attempt)
+            except Exception as e:  # one bad record must not lose the rest of the turn's
+                log.error("recording an attempt failed: %s", type(e).__name__)
+
     def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
                split=None) -> None:
         if self.cfg.stats.enabled:
