@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_tail import med, save_and_render  # noqa: E402
-from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_times, free_port, run_wrk, wait_http,  # noqa: E402
-                      write_gateway_config)
+from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_times, free_port, run_wrk, stop_all,  # noqa: E402
+                      wait_http, write_gateway_config)
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,10 +125,7 @@ def measure(args) -> dict:
                 for name, (base, pid) in targets.items():
                     traced[name] = syscalls(pid, base + "/v1/chat/completions", str(script), 2.0)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=10)
+            stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "points": points, "syscalls": traced}
 

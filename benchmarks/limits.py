@@ -18,7 +18,8 @@ from pathlib import Path
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, wait_http  # noqa: E402
+from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, stop_all,  # noqa: E402
+                      wait_http)
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,10 +96,7 @@ def drive(args, tmp: Path, prefix: str) -> list[dict]:
         points += same_process(args, tmp, engine, str(script), procs)
         return points
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+        stop_all(procs)
 
 
 def reload(base: str) -> None:

@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, wait_http,  # noqa: E402
-                      write_gateway_config)
+from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, stop_all,  # noqa: E402
+                      wait_http, write_gateway_config)
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,10 +88,7 @@ def measure(args) -> dict:
                         points.append(r)
                         print(json.dumps(r), flush=True)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=10)
+            stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "points": points}
 

@@ -76,6 +76,14 @@ def cpu_seconds(pid: int) -> float:
     return user + system
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Ask every process to stop, then wait for each (10 s at most)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=10)
+
+
 def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict:
     threads = 1 if conc == 1 else 2
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{conc}", f"-d{seconds:g}s", "-s", script, url],
@@ -218,10 +226,7 @@ def measure(args) -> dict:
                 results["conditions"]["baseline_rev"] = export_revision(args.baseline, baseline)
             results["points"] = drive(args, start_stack(tmp, baseline, procs), str(script))
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+            stop_all(procs)
     results["conditions"]["loadavg_after"] = os.getloadavg()
     return results
 
@@ -278,10 +283,7 @@ def stats_compare(args) -> dict:
                             results["points"].append(r)
                             print(json.dumps(r), flush=True)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(10)
+            stop_all(procs)
     results["loadavg_after"] = os.getloadavg()
     results["record_stage"] = record_stage_cost()
     return results

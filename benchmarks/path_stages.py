@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_tail import save_and_render  # noqa: E402
-from overhead import free_port, wait_http, write_gateway_config  # noqa: E402
+from overhead import free_port, stop_all, wait_http, write_gateway_config  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,10 +177,7 @@ def measure(args) -> dict:
                                    "client_p50_us": seen["p50_us"], "client_ttft_p50_us": seen.get("ttft_p50_us")})
                     print(json.dumps(rounds[-1]), flush=True)
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=10)
+            stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "rounds": rounds}
 
