@@ -246,10 +246,10 @@ class Gateway:
 
     # -- record stage ----------------------------------------------------------------------------
     def record_soon(self, attempt: tuple) -> None:
-        """record(*attempt) at the end of this loop turn, with every attempt that ended in it: the same code run
-        over several outcomes in a row stays in the CPU's caches (at c=64, about 9 % of a non-streamed request's
-        CPU). A request routed later in the same turn sees the stats without this turn's outcomes, as if they
-        had ended a moment later."""
+        """record(*attempt) once the loop has run the callbacks now due, together with every attempt that ended
+        meanwhile: the same code run over several outcomes in a row stays in the CPU's caches (at c=64, about 9 %
+        of a non-streamed request's CPU). A request routed before then sees the stats without those outcomes, as
+        if they had ended a moment later."""
         batch = self._to_record
         batch.append(attempt)
         if len(batch) == 1:
