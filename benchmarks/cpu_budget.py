@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import med, save_and_render  # noqa: E402
+from loop_tail import med, run_line, save_and_render  # noqa: E402
 from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_times, free_port, run_wrk, stop_all,  # noqa: E402
                       wait_http, write_gateway_config)
 from routing_conditions import machine  # noqa: E402
@@ -142,10 +142,7 @@ def markdown(data: dict) -> str:
          for t in TARGETS if any(p["target"] == t for p in pts)}
     sc = data.get("syscalls") or {}
     lines = ["# Where a request's CPU goes", "",
-             f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
-                                                           if c["dirty_paths"] else "") +
-             f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
-             f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`; {c['wrk']}.", "",
+             run_line(c) + f"; {c['wrk']}.", "",
              f"Non-streamed requests from wrk at c=64 (2 threads), {c['seconds']:g} s per target and round, "
              f"{c['repeats']} rounds, the targets' order rotated between rounds; one zero-delay engine "
              "(`benchmarks/fast_engine.py`, a 16-token reply); every target and wrk share the machine's cores. "

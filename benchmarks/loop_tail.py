@@ -98,13 +98,19 @@ def med(xs: list[float]) -> tuple[float, float]:
     return m, ((max(xs) - min(xs)) / m if m else 0.0)
 
 
+def run_line(c: dict) -> str:
+    """A report's provenance: date, commit (and how many paths differed from it), machine, load average before
+    and after, command; without the closing full stop."""
+    dirty = f" (with {len(c['dirty_paths'])} changed paths)" if c["dirty_paths"] else ""
+    return (f"Run {c['date']} at commit `{c['commit']}`{dirty}; {c['machine']}; load average before "
+            f"{', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
+            f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`")
+
+
 def markdown(data: dict) -> str:
     c = data["conditions"]
     lines = ["# Where the c=64 tail comes from: the start-up heap in garbage collection", "",
-             f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
-                                                           if c["dirty_paths"] else "") +
-             f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
-             f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`.", "",
+             run_line(c) + ".", "",
              f"wrk at c=64 for {c['seconds']:g} s per point, {c['repeats']} rounds, the two gateways' order "
              "alternating, against `benchmarks/fast_engine.py` (zero delay). Both gateways run this tree with "
              "the same config but for `[server] gc_freeze`. GC pauses and loop lag are the gateway's own "

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import save_and_render  # noqa: E402
+from loop_tail import run_line, save_and_render  # noqa: E402
 from overhead import free_port, stop_all, wait_http, write_gateway_config  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
@@ -185,10 +185,7 @@ def measure(args) -> dict:
 def markdown(data: dict) -> str:
     c = data["conditions"]
     lines = ["# Where a request's time goes inside the gateway, stage by stage", "",
-             f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
-                                                           if c["dirty_paths"] else "") +
-             f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
-             f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`.", "",
+             run_line(c) + ".", "",
              "One gateway process (`benchmarks/overhead.py`'s config: API-key auth, JSON access log to /dev/null, "
              "stats upkeep, the default shape policy) in front of `benchmarks/fast_engine.py` (zero delay; a 16-token "
              "reply, or 200 events in one write); `benchmarks/peers_client.py` sends one request at a time for "

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import loop_figures, save_and_render  # noqa: E402
+from loop_tail import loop_figures, run_line, save_and_render  # noqa: E402
 from overhead import KEY, cpu_seconds, free_port, wait_http, write_gateway_config  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
@@ -213,10 +213,7 @@ def markdown(data: dict) -> str:
     cpu = [r["cpu_share"] for r in rounds]
     return "\n".join([
         "# 10,000 concurrent streams in one gateway process", "",
-        f"Run {c['date']} at commit `{c['commit']}`" + (f" (with {len(c['dirty_paths'])} changed paths)"
-                                                       if c["dirty_paths"] else "")
-        + f"; {c['machine']}; load average before {', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
-        f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`.", "",
+        run_line(c) + ".", "",
         f"One gateway process (default config but for connection limits raised to fit {c['streams']:,} streams, "
         "access log on to /dev/null, API-key auth) in front of `benchmarks/slow_engine.py`, which sends one token "
         f"per stream every {c['interval_s']:g} s ({rounds[0]['tokens_per_stream']} tokens each); "
