@@ -138,3 +138,26 @@ def _walk(obj):
         for k, v in obj.items():
             yield k, v
             yield from _walk(v)
+
+
+def sglang_ev(obj) -> bytes:
+    """An SGLang chunk: "usage": null in every one but the usage chunk (spaced as Python's json writes it)."""
+    return b"data: " + orjson.dumps({**obj, "usage": None}).replace(b'"usage":null', b'"usage": null') + b"\n\n"
+
+
+SG_TOK = sglang_ev({"model": "n", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]})
+SG_FIN = sglang_ev({"model": "n", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+@pytest.mark.parametrize("strip", [True, False])
+async def test_null_usage_in_every_chunk_passes_unparsed_and_the_real_usage_is_still_found(step, strip):
+    # Chunks that say "usage": null go out byte for byte; the usage chunk after them is still read (and dropped
+    # when the gateway asked for it on its own account).
+    sink, meter = Sink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=strip, rename=ModelRewrite("n"))
+    tokens = SG_TOK.replace(b'"usage": null', b'"usage":null') + SG_TOK * 3
+    await feed_all(relay, tokens + SG_FIN + USAGE + DONE, step)
+    assert sink.out == tokens + SG_FIN + (b"" if strip else USAGE) + DONE
+    assert meter.token_events == 4 and meter.saw_finish
+    assert meter.usage == {"prompt_tokens": 3, "completion_tokens": 2}
