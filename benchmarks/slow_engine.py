@@ -21,6 +21,9 @@ def chunk(obj) -> bytes:
 
 TOKEN = chunk({**BASE, "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]})
 ROLE = chunk({**BASE, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+# SGLang's chunks: `"usage": null` in every one but the usage chunk (vLLM leaves the field out).
+TOKEN_NULL_USAGE = chunk({**BASE, "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+                          "usage": None})
 
 
 def ending(tokens: int) -> bytes:
@@ -34,8 +37,8 @@ class SlowStream(asyncio.Protocol):
     """Each POST gets a stream of `tokens` tokens, one per interval, the first after a random offset (so that
     thousands of streams do not tick together)."""
 
-    def __init__(self, tokens: int, interval: float) -> None:
-        self.tokens, self.interval = tokens, interval
+    def __init__(self, tokens: int, interval: float, token: bytes = TOKEN) -> None:
+        self.tokens, self.interval, self.token = tokens, interval, token
         self.buf = b""
         self.timer: asyncio.TimerHandle | None = None
 
@@ -71,13 +74,13 @@ class SlowStream(asyncio.Protocol):
             self.transport.write(ending(sent))
             self.timer = None
             return
-        self.transport.write(TOKEN)
+        self.transport.write(self.token)
         self.timer = self.loop.call_later(self.interval, self._tick, sent + 1)
 
 
-async def serve(port: int, tokens: int, interval: float) -> None:
+async def serve(port: int, tokens: int, interval: float, token: bytes = TOKEN) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: SlowStream(tokens, interval), "127.0.0.1", port, backlog=4096)
+    server = await loop.create_server(lambda: SlowStream(tokens, interval, token), "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
 
@@ -87,8 +90,9 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=60)
     p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--null-usage", action="store_true", help='token chunks with "usage": null, as SGLang sends them')
     a = p.parse_args()
-    uvloop.run(serve(a.port, a.tokens, a.interval))
+    uvloop.run(serve(a.port, a.tokens, a.interval, TOKEN_NULL_USAGE if a.null_usage else TOKEN))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,209 @@
+"""CPU instructions a gateway executes per request (callgrind): with its defaults, with each optional feature off, and
+a baseline revision beside it; a measure of the request path that a busy shared machine does not move."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limits_instructions import callgrind, dumped_total  # noqa: E402
+from loop_tail import med, run_line, save_and_render  # noqa: E402
+from overhead import (BODIES, KEY, LAUNCH, export_revision, free_port, stop_all, wait_http,  # noqa: E402
+                      write_gateway_config)
+from routing_conditions import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# Why instructions: CPU time per request moves by 5-30 % from run to run on this machine kind (a shared virtual
+# machine), more than most changes to the request path; callgrind counts what the process executes, the same for
+# the same work. It counts user space only: the kernel's part (socket reads and writes) is not in it.
+FEATURES = {"no access log": "[server] access_log = false",
+            "no stats upkeep": "[stats] enabled = false (counters only)",
+            "no API-key auth": "[auth] enabled = false",
+            "round robin": "[routing] policy = \"round_robin\" instead of the default shape policy"}
+# Probes and load scrapes an hour apart: after the first ones (at start) none falls inside a counted window.
+QUIET_HEALTH = "interval_s = 3600\nload_interval_s = 3600\nload_stale_s = 7200\n"
+KINDS = ("nonstream", "stream", "stream-sglang")
+STREAM_TOKENS = 50
+STREAM_INTERVAL_S = 0.002
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def config(path: Path, engine: str, feature_off: str | None) -> Path:
+    sections = QUIET_HEALTH + ('[routing]\npolicy = "round_robin"\n' if feature_off == "round robin" else "")
+    cfg = write_gateway_config(path, engine, access_log=feature_off != "no access log",
+                               stats=feature_off != "no stats upkeep", sections=sections)
+    if feature_off == "no API-key auth":  # (the key stays listed: the client sends it to every target alike)
+        cfg.write_text(cfg.read_text().replace("[[auth.keys]]", "[auth]\nenabled = false\n[[auth.keys]]", 1))
+    return cfg
+
+
+def send(port: int, kind: str, n: int) -> None:
+    """n requests of `kind` one after another on one keep-alive connection, each read to its end and checked."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = BODIES["nonstream" if kind == "nonstream" else "stream"].encode()
+    try:
+        for _ in range(n):
+            conn.request("POST", "/v1/chat/completions", body, HEADERS)
+            r = conn.getresponse()
+            data = r.read()
+            assert r.status == 200, r.status
+            if kind != "nonstream":
+                assert data.count(b"tok ") == STREAM_TOKENS and b"[DONE]" in data, data[-200:]
+    finally:
+        conn.close()
+
+
+def start_engine(kind: str, procs: list) -> str:
+    """A zero-delay engine for whole replies, or one streaming STREAM_TOKENS tokens one write each (their chunks as
+    vLLM's, or as SGLang's with "usage": null in each)."""
+    port = free_port()
+    cmd = ([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port", str(port)] if kind == "nonstream"
+           else [sys.executable, str(ROOT / "benchmarks" / "slow_engine.py"), "--port", str(port),
+                 "--tokens", str(STREAM_TOKENS), "--interval", str(STREAM_INTERVAL_S)]
+           + (["--null-usage"] if kind == "stream-sglang" else []))
+    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
+
+
+def start_counted(src: Path, cfg: Path, out_dir: Path, procs: list) -> tuple[int, int]:
+    """A gateway from source tree src under callgrind with counting off: (port, pid)."""
+    port = free_port()
+    out_dir.mkdir()
+    p = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                          f"--callgrind-out-file={out_dir}/callgrind.out.%p", sys.executable, "-c", LAUNCH,
+                          "serve", "--config", str(cfg), "--port", str(port)],
+                         cwd=src, env={**os.environ, "PYTHONPATH": str(src)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(p)
+    return port, p.pid
+
+
+def window(pid: int, out_dir: Path, work) -> dict:
+    """Instructions the process executes while work() runs, and the window's wall time."""
+    before = set(out_dir.glob("callgrind.out*"))
+    callgrind(pid, "--zero")
+    callgrind(pid, "--instr=on")
+    t0 = time.monotonic()
+    work()
+    wall = time.monotonic() - t0
+    callgrind(pid, "--instr=off")
+    callgrind(pid, "--dump")
+    return {"instructions": dumped_total(out_dir, before), "wall_s": wall}
+
+
+def measure(args, baseline: Path | None, rev: str | None) -> dict:
+    cond = {**machine(), "command": "python3 " + shlex.join(["benchmarks/path_instructions.py", *sys.argv[1:]]),
+            "rounds": args.rounds, "requests": {k: args.requests if k == "nonstream" else args.streams for k in KINDS},
+            "idle_s": args.idle, "warm": args.warm, "baseline": rev, "stream_tokens": STREAM_TOKENS,
+            "stream_interval_s": STREAM_INTERVAL_S}
+    targets = ["defaults", *FEATURES] + ([f"baseline {rev}"] if baseline is not None else [])
+    points: list[dict] = []
+    for kind in args.kinds:
+        procs: list[subprocess.Popen] = []
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            try:
+                engine = start_engine(kind, procs)
+                running = {}
+                for i, name in enumerate(targets):
+                    src = baseline if name.startswith("baseline") and baseline is not None else ROOT
+                    cfg = config(tmp / f"{i}.toml", engine, name if name in FEATURES else None)
+                    running[name] = (*start_counted(src, cfg, tmp / f"cg{i}", procs), tmp / f"cg{i}")
+                for name, (port, _, _) in running.items():
+                    wait_http(f"http://127.0.0.1:{port}/readyz", timeout=600)
+                    send(port, kind, args.warm)
+                for rnd in range(args.rounds):
+                    for name in (targets if rnd % 2 == 0 else targets[::-1]):
+                        port, pid, out_dir = running[name]
+                        # Timer-driven work (the loop-lag probe, sweeps) runs by wall time, and callgrind stretches
+                        # each window differently: its rate, with no request in flight, is taken out in the report.
+                        idle = window(pid, out_dir, lambda: time.sleep(args.idle))
+                        n = cond["requests"][kind]
+                        busy = window(pid, out_dir, lambda p=port, k=kind, n=n: send(p, k, n))
+                        point = {"kind": kind, "target": name, "round": rnd, "requests": n, "busy": busy, "idle": idle}
+                        points.append(point)
+                        print(json.dumps(point), flush=True)
+            finally:
+                stop_all(procs)
+    cond["load_after"] = os.getloadavg()
+    return {"conditions": cond, "targets": targets, "points": points}
+
+
+def per_request(p: dict) -> float:
+    """A window's instructions per request, less the timer-driven work its wall time held at the idle rate."""
+    idle_rate = p["idle"]["instructions"] / p["idle"]["wall_s"]
+    return (p["busy"]["instructions"] - idle_rate * p["busy"]["wall_s"]) / p["requests"]
+
+
+def markdown(data: dict) -> str:
+    c = data["conditions"]
+    lines = ["# Instructions per request, the request path's features one by one", "", run_line(c) + ".", "",
+             f"Each target is one gateway process (`benchmarks/overhead.py`'s config: API-key auth, a JSON access log "
+             f"to /dev/null, stats upkeep, the default shape policy; probes and load scrapes an hour apart) run under "
+             f"`valgrind --tool=callgrind` in front of a local engine. After {c['warm']} requests to warm it, "
+             f"callgrind's counters are zeroed and one client sends the requests one after another on one keep-alive "
+             f"connection: {c['requests']['nonstream']:,} non-streamed ones (`benchmarks/fast_engine.py`, a zero-delay "
+             f"16-token reply) or {c['requests']['stream']:,} streams (`benchmarks/slow_engine.py`, "
+             f"{c['stream_tokens']} tokens one write each, {c['stream_interval_s'] * 1000:g} ms apart, their chunks as "
+             f"vLLM writes them or, with `--null-usage`, as SGLang does: `\"usage\": null` in each). Counted are "
+             f"the instructions the gateway process executes in user space (not the kernel's socket work), less its "
+             f"timer-driven work at the rate of an idle window of {c['idle_s']:g} s taken just before. "
+             f"{c['rounds']} rounds, the targets' order alternating; figures are medians (± = (max-min)/median). One "
+             f"request at a time: nothing is batched as it is under load, so these are the path's own instructions "
+             f"per request, not its CPU time at c=64. One at a time, each request also finds the latency model's "
+             f"estimate older than its minimum age and solves it again (`gateway/stats.py`, MIN_AGE_S): under load one "
+             f"solve serves many requests, so 'no stats upkeep' saves less per request there than here, for streams "
+             f"above all (each lasts over {c['stream_tokens'] * c['stream_interval_s'] * 1000:g} ms)."]
+    for kind in c["requests"]:
+        rows = [p for p in data["points"] if p["kind"] == kind]
+        if not rows:
+            continue
+        figures = {t: med([per_request(p) for p in rows if p["target"] == t]) for t in data["targets"]}
+        base = figures["defaults"][0]
+        what = {"nonstream": "Non-streamed request", "stream": f"Stream of {c['stream_tokens']} tokens",
+                "stream-sglang": f"Stream of {c['stream_tokens']} tokens, SGLang's chunks"}[kind]
+        lines += ["", f"## {what}", "", "| target | instructions / request | against the defaults |", "|---|---|---|"]
+        for t, (m, spread) in figures.items():
+            note = FEATURES.get(t, "this tree's source at an earlier commit" if t.startswith("baseline") else "")
+            against = "" if t == "defaults" else f"{m - base:+,.0f} ({(m - base) / base * 100:+.1f} %)"
+            lines.append(f"| {t}{f' ({note})' if note else ''} | {m:,.0f} (±{spread * 100:.1f}%) | {against} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--baseline", help="a revision to count beside this tree (exported by git archive)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000, help="non-streamed requests per window")
+    ap.add_argument("--streams", type=int, default=100, help="streams per window")
+    ap.add_argument("--warm", type=int, default=100)
+    ap.add_argument("--idle", type=float, default=2.0, help="seconds of each round's idle window")
+    ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
+    args = ap.parse_args()
+    if args.render:
+        save_and_render("path_instructions", None, markdown)
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (apt-get install valgrind)")
+    with tempfile.TemporaryDirectory() as d:
+        baseline, rev = None, None
+        if args.baseline:
+            baseline = Path(d) / "baseline"
+            rev = export_revision(args.baseline, baseline)
+        save_and_render("path_instructions", measure(args, baseline, rev), markdown)
+
+
+if __name__ == "__main__":
+    main()
