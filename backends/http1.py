@@ -42,7 +42,7 @@ class Response:
     """
 
     __slots__ = ("status", "headers", "_lines", "_conn", "_chunks", "_buffered", "_waiter", "_done",
-                 "_error", "_paused")
+                 "_error", "_paused", "_idle_by", "_idle_timer")
 
     def __init__(self, conn: "Connection", status: int, headers: dict[str, str], lines: list[str]) -> None:
         self.status = status
@@ -55,6 +55,8 @@ class Response:
         self._done = False
         self._error: Exception | None = None
         self._paused = False
+        self._idle_by = 0.0  # when the wait in progress has waited the pool's idle_timeout (loop time)
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # -- called by the protocol ----------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -72,10 +74,20 @@ class Response:
         self._error = error
         self._wake()
 
-    def _idle_expired(self, w: asyncio.Future) -> None:
-        if not w.done():
-            w.set_exception(TimeoutError("the engine sent nothing for too long"))
-            self._conn.abandon()
+    def _idle_check(self) -> None:
+        """Fail the wait in progress once it has waited idle_timeout. One timer serves all of a stream's waits (one
+        per token): a wait only notes its deadline, and the timer moves on to it when it fires early, or lapses
+        when nothing waits (a timer made and cancelled per wait cost more than the rest of the wait)."""
+        self._idle_timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # nothing waits: the next wait sets the timer again
+        loop = self._conn.loop
+        if loop.time() < self._idle_by:
+            self._idle_timer = loop.call_at(self._idle_by, self._idle_check)
+            return
+        w.set_exception(TimeoutError("the engine sent nothing for too long"))
+        self._conn.abandon()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -91,11 +103,12 @@ class Response:
                 return None
             loop = self._conn.loop
             self._waiter = w = loop.create_future()
-            timer = loop.call_later(self._conn.pool.idle_timeout, self._idle_expired, w)
+            self._idle_by = loop.time() + self._conn.pool.idle_timeout
+            if self._idle_timer is None:
+                self._idle_timer = loop.call_at(self._idle_by, self._idle_check)
             try:
                 await w
             finally:
-                timer.cancel()
                 self._waiter = None
         data = self._chunks.popleft()
         self._buffered -= len(data)
@@ -144,6 +157,9 @@ class Response:
 
     def close(self) -> None:
         """Done with the response: a complete one frees the connection, an unfinished one is aborted."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._conn.release(self)
 
 

@@ -203,6 +203,37 @@ async def test_disconnect_mid_body_and_idle_timeout():
             w.close()
 
 
+async def test_the_idle_timeout_counts_from_each_wait_not_from_the_first():
+    # One timer serves all of a stream's waits: bytes that keep coming, each within the idle timeout, never time
+    # out however long the stream lasts; a stall after them does, and a closed reply leaves no timer behind.
+    writers = []
+
+    async def trickle(reader, writer):
+        writers.append(writer)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(6):
+            await asyncio.sleep(0.12)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+
+    server, url = await raw_server(trickle)
+    async with server:
+        p = pool(url, idle=0.3)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        got = b""
+        with pytest.raises(TimeoutError):
+            while True:
+                chunk = await r.next_chunk()
+                assert chunk is not None
+                got += chunk
+        assert got == b"x" * 6  # 0.72 s of bytes, more than twice the idle timeout, then the stall
+        r.close()
+        assert r._idle_timer is None
+        for w in writers:
+            w.close()
+
+
 async def test_head_timeout_aborts_connection():
     e = await FakeEngine(Knobs(hang=True)).start()
     try:
