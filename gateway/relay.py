@@ -187,7 +187,7 @@ class SSERelay:
         # carry usage, an error or [DONE] onwards are parsed.
         done, usage, error = block.find(b"[DONE]"), block.find(b'"usage"'), block.find(b'"error"')
         if usage >= 0 and block.startswith(_NULL_USAGE, usage):
-            usage = _usage_after(block, usage)  # (half the cost of an SGLang token event, parsed for nothing)
+            usage = _usage_after(block, usage)  # (parsed, they were a quarter of an SGLang stream's instructions)
         if done < 0 and usage < 0 and error < 0:  # (every token: no generator or min() on this path)
             self._ordinary(block, now)
             return self.rename(block)
