@@ -66,6 +66,19 @@ def dumped_total(out_dir: Path, before: set[Path]) -> int:
     raise RuntimeError("no callgrind dump appeared")
 
 
+def window(pid: int, out_dir: Path, work) -> dict:
+    """Instructions the process executes while work() runs, and the window's wall time."""
+    before = set(out_dir.glob("callgrind.out*"))
+    callgrind(pid, "--zero")
+    callgrind(pid, "--instr=on")
+    t0 = time.monotonic()
+    work()
+    wall = time.monotonic() - t0
+    callgrind(pid, "--instr=off")
+    callgrind(pid, "--dump")
+    return {"instructions": dumped_total(out_dir, before), "wall_s": wall}
+
+
 def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
     """One gateway under callgrind, its [limits] switched by reloads; instructions per request of each phase."""
     cfg, port = tmp / "counted.toml", free_port()
@@ -84,15 +97,8 @@ def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
         for rnd in range(args.rounds):
             # The gateway's timers (loop-lag probe, connection sweeps) run by wall time, and callgrind stretches each
             # counted window differently: their rate, counted with no request in flight, is taken out of each window.
-            before = set(out_dir.glob("callgrind.out*"))
-            callgrind(p.pid, "--zero")
-            callgrind(p.pid, "--instr=on")
-            t0 = time.monotonic()
-            time.sleep(args.idle)
-            callgrind(p.pid, "--instr=off")
-            idle_s = time.monotonic() - t0
-            callgrind(p.pid, "--dump")
-            idle = {"round": rnd, "idle_s": idle_s, "instructions": dumped_total(out_dir, before)}
+            w = window(p.pid, out_dir, lambda: time.sleep(args.idle))
+            idle = {"round": rnd, "idle_s": w["wall_s"], "instructions": w["instructions"]}
             idles.append(idle)
             print(json.dumps(idle), flush=True)
             for limits in ((False, True) if rnd % 2 == 0 else (True, False)):
@@ -100,14 +106,8 @@ def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
                 reload(f"http://127.0.0.1:{port}")
                 send(port, args.warm)  # the new plan, caches and buckets made before the count starts
                 before = set(out_dir.glob("callgrind.out*"))
-                callgrind(p.pid, "--zero")
-                callgrind(p.pid, "--instr=on")
-                t0 = time.monotonic()
-                send(port, args.requests)
-                callgrind(p.pid, "--instr=off")
-                wall_s = time.monotonic() - t0
-                callgrind(p.pid, "--dump")
-                total = dumped_total(out_dir, before)
+                w = window(p.pid, out_dir, lambda: send(port, args.requests))
+                total, wall_s = w["instructions"], w["wall_s"]
                 if args.keep:  # for callgrind_annotate: where the instructions went
                     Path(args.keep).mkdir(parents=True, exist_ok=True)
                     for path in set(out_dir.glob("callgrind.out*")) - before:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limits_instructions import callgrind, dumped_total  # noqa: E402
+from limits_instructions import window  # noqa: E402
 from loop_tail import med, run_line, save_and_render  # noqa: E402
 from overhead import (BODIES, KEY, LAUNCH, export_revision, free_port, stop_all, wait_http,  # noqa: E402
                       write_gateway_config)
@@ -89,19 +89,6 @@ def start_counted(src: Path, cfg: Path, out_dir: Path, procs: list) -> tuple[int
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.append(p)
     return port, p.pid
-
-
-def window(pid: int, out_dir: Path, work) -> dict:
-    """Instructions the process executes while work() runs, and the window's wall time."""
-    before = set(out_dir.glob("callgrind.out*"))
-    callgrind(pid, "--zero")
-    callgrind(pid, "--instr=on")
-    t0 = time.monotonic()
-    work()
-    wall = time.monotonic() - t0
-    callgrind(pid, "--instr=off")
-    callgrind(pid, "--dump")
-    return {"instructions": dumped_total(out_dir, before), "wall_s": wall}
 
 
 def measure(args, baseline: Path | None, rev: str | None) -> dict:
