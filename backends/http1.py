@@ -42,7 +42,7 @@ class Response:
     """
 
     __slots__ = ("status", "headers", "_lines", "_conn", "_chunks", "_buffered", "_waiter", "_done",
-                 "_error", "_paused", "_idle_by", "_idle_timer")
+                 "_error", "_paused", "_idle_by", "_idle_timer", "_sink")
 
     def __init__(self, conn: "Connection", status: int, headers: dict[str, str], lines: list[str]) -> None:
         self.status = status
@@ -57,9 +57,23 @@ class Response:
         self._paused = False
         self._idle_by = 0.0  # when the wait in progress has waited the pool's idle_timeout (loop time)
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._sink: Callable[[bytes], bool] | None = None
 
     # -- called by the protocol ----------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None and not self._chunks:  # (nothing queued before it: the order holds)
+            try:
+                taken = sink(data)
+            except Exception as e:  # the consumer's own failure: it meets it at its next wait, as if it were its own
+                self._sink = None
+                self._finish(e)
+                self._conn.abandon()
+                return
+            if taken:
+                # The engine sent something: the consumer's wait in progress starts its idle time again.
+                self._idle_by = self._conn.loop.time() + self._conn.pool.idle_timeout
+                return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused:
@@ -95,6 +109,12 @@ class Response:
             w.set_result(None)
 
     # -- called by the consumer ----------------------------------------------------------------
+    def hand_to(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer each later piece of the body to `sink` as it is read, in the connection's read callback, before
+        queueing it for next_chunk: True means taken (a stream's relay takes a token there, with no wake-up of
+        the consumer's task). The consumer still waits in next_chunk for what the sink leaves and for the end."""
+        self._sink = sink
+
     async def next_chunk(self) -> bytes | None:
         while not self._chunks:
             if self._done:
@@ -157,6 +177,7 @@ class Response:
 
     def close(self) -> None:
         """Done with the response: a complete one frees the connection, an unfinished one is aborted."""
+        self._sink = None
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None

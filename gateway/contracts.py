@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, NamedTuple, Protocol
+from typing import Any, AsyncIterator, Callable, Mapping, NamedTuple, Protocol
 
 # Request classes: which latency matters most for a request.
 LONG_OUTPUT = "long_output"
@@ -158,6 +158,9 @@ class UpstreamReply(Protocol):
     async def next_chunk(self) -> bytes | None:
         """The next piece of the body as it arrived, None at its end (iter_chunks without an async generator:
         a stream's relay takes every token this way)."""
+
+    def hand_to(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer later pieces of the body to `sink` as they arrive, before next_chunk sees them (True: taken)."""
 
     async def read(self, limit: int, *, truncate: bool = False) -> bytes:
         """The whole body up to `limit` bytes: past it ReplyTooLarge, or with truncate=True its first `limit`."""

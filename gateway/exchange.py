@@ -161,6 +161,23 @@ class FrontStream:
             self.ex.started = True
         return frame
 
+    @property
+    def writable(self) -> bool:
+        """Whether a write goes out now with nothing to wait for: the client is there and keeps up."""
+        conn = self.ex.conn
+        return not (conn.write_paused or conn.closed or self.ex.done)
+
+    def write_now(self, data: bytes, last: bool = False) -> None:
+        """write() (last: write_eof()) from a callback, when `writable`: the next wait of the stream's task is the
+        one that meets a client that stopped reading."""
+        if last:
+            if self.ex.done:
+                return
+            self.ex.done = True
+        elif not data:
+            return
+        self.ex.conn.send_now(self._frame(data, last))
+
     async def write(self, data: bytes) -> None:
         if data:
             conn = self.ex.conn

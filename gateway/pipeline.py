@@ -323,6 +323,8 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     try:
         try:
             await relay.feed(first)
+            if tap is None:  # (a shadowed stream's chunks also go to its tap: they all take the loop below)
+                reply.hand_to(relay.take)  # a token then goes from the engine's read callback to the client's write
             while True:
                 # Only reading from the engine is guarded: a failed write means the client left, not the engine.
                 try:

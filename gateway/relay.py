@@ -106,7 +106,7 @@ class SSERelay:
     A partial event waits for its end, up to `max_event` bytes: past that EventTooLarge ends the relay.
     """
 
-    __slots__ = ("resp", "meter", "strip_usage", "rename", "max_event", "_parts", "_size")
+    __slots__ = ("resp", "meter", "strip_usage", "rename", "max_event", "_parts", "_size", "_busy")
 
     def __init__(self, resp, meter: StreamMeter, strip_usage: bool, rename: ModelRewrite,
                  max_event: int = 1 << 20) -> None:
@@ -117,45 +117,63 @@ class SSERelay:
         self.max_event = max_event
         self._parts: list[bytes] = []  # the start of an event not yet ended
         self._size = 0
+        self._busy = False  # feed() is under way (it may wait for the client between two writes)
+
+    def take(self, chunk: bytes) -> bool:
+        """Relay a chunk at once, from the engine connection's read callback (Response.hand_to): when it ends on an
+        event's end, nothing of an earlier one waits, the first token has gone out and the client keeps up. A
+        token then costs no wake-up of the stream's task. False leaves the chunk to feed()."""
+        if self._busy or self._parts or self.meter.t_first is None or chunk[-2:] != b"\n\n":
+            return False
+        resp = self.resp
+        if not resp.writable:
+            return False
+        out = self._events(chunk)
+        resp.write_now(out, self.meter.saw_done)
+        return True
 
     async def feed(self, chunk: bytes) -> None:
-        cut = chunk.rfind(b"\n\n")
-        parts = self._parts
-        if cut < 0 and parts and parts[-1][-1:] == b"\n" and chunk[:1] == b"\n":
-            cut = -1  # the blank line straddles two reads
-        elif cut < 0:
-            # A partial event: kept in pieces (joined once it ends, so a long one costs linear time), bounded.
-            parts.append(chunk)
-            self._size += len(chunk)
-            if self._size > self.max_event:
+        self._busy = True  # take() waits until this chunk is out
+        try:
+            cut = chunk.rfind(b"\n\n")
+            parts = self._parts
+            if cut < 0 and parts and parts[-1][-1:] == b"\n" and chunk[:1] == b"\n":
+                cut = -1  # the blank line straddles two reads
+            elif cut < 0:
+                # A partial event: kept in pieces (joined once it ends, so a long one costs linear time), bounded.
+                parts.append(chunk)
+                self._size += len(chunk)
+                if self._size > self.max_event:
+                    raise EventTooLarge(f"the engine sent an event larger than {self.max_event} bytes")
+                return
+            if len(chunk) - cut - 2 > self.max_event:
                 raise EventTooLarge(f"the engine sent an event larger than {self.max_event} bytes")
-            return
-        if len(chunk) - cut - 2 > self.max_event:
-            raise EventTooLarge(f"the engine sent an event larger than {self.max_event} bytes")
-        if parts:
-            data = b"".join(parts) + chunk[:cut + 2]
-            parts.clear()
-        else:
-            data = chunk[:cut + 2] if cut + 2 < len(chunk) else chunk
-        rest = chunk[cut + 2:]
-        if rest:
-            parts.append(rest)
-        self._size = len(rest)
-        if self.meter.t_first is None and len(data) > FIRST_WRITE_AFTER:
-            # A fast engine's whole reply can come in one read: its first token goes out before the gateway
-            # looks at the rest, so the client's first token never waits for a scan of the whole burst.
-            end = _first_token_end(data)
-            if 0 < end < len(data):
-                out = self._events(data[:end])
-                if out:
-                    await self.resp.write(out)
-                data = data[end:]
-        out = self._events(data)
-        if self.meter.saw_done:
-            # The client's stream is complete: the last bytes and the end of the body go in one write.
-            await self.resp.write_eof(out)
-        elif out:
-            await self.resp.write(out)
+            if parts:
+                data = b"".join(parts) + chunk[:cut + 2]
+                parts.clear()
+            else:
+                data = chunk[:cut + 2] if cut + 2 < len(chunk) else chunk
+            rest = chunk[cut + 2:]
+            if rest:
+                parts.append(rest)
+            self._size = len(rest)
+            if self.meter.t_first is None and len(data) > FIRST_WRITE_AFTER:
+                # A fast engine's whole reply can come in one read: its first token goes out before the gateway
+                # looks at the rest, so the client's first token never waits for a scan of the whole burst.
+                end = _first_token_end(data)
+                if 0 < end < len(data):
+                    out = self._events(data[:end])
+                    if out:
+                        await self.resp.write(out)
+                    data = data[end:]
+            out = self._events(data)
+            if self.meter.saw_done:
+                # The client's stream is complete: the last bytes and the end of the body go in one write.
+                await self.resp.write_eof(out)
+            elif out:
+                await self.resp.write(out)
+        finally:
+            self._busy = False
 
     async def finish(self) -> None:
         """End of the upstream body: flush a trailing event, make sure the client gets a clean ending."""

@@ -38,7 +38,8 @@ class Exchange(Protocol):
         rendered already as reply-head lines."""
 
     async def open_stream(self, headers: dict[str, str], lines: str = "") -> Any:
-        """Start a 200 event stream: the returned sink has write(data) and write_eof(data) and .status."""
+        """Start a 200 event stream: the returned sink has write(data), write_eof(data) and .status, and for a
+        callback's writes `writable` and write_now(data, last)."""
 
 
 class RequestState:

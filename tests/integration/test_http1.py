@@ -234,6 +234,72 @@ async def test_the_idle_timeout_counts_from_each_wait_not_from_the_first():
             w.close()
 
 
+async def _pieces_server(n: int, gap: float):
+    """An engine writing n one-byte chunked pieces ("0", "1", ...) `gap` seconds apart, then the end."""
+    writers = []
+
+    async def pieces(reader, writer):
+        writers.append(writer)
+        try:
+            while await read_request(reader):  # one request after another on a keep-alive connection
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for i in range(n):
+                    await asyncio.sleep(gap)
+                    writer.write(b"1\r\n%d\r\n" % i)
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the client closed the connection
+
+    server, url = await raw_server(pieces)
+    return server, url, writers
+
+
+async def test_a_sink_takes_pieces_as_they_come_and_what_it_leaves_keeps_its_place():
+    # A piece the sink takes goes nowhere else, and it counts as the engine sending something: a consumer whose
+    # own wait lasts longer than the idle timeout (pieces 3 and 4 taken) is not timed out. One the sink leaves
+    # waits for next_chunk, and every later piece queues behind it, sink or not.
+    server, url, writers = await _pieces_server(8, 0.12)
+    async with server:
+        p = pool(url, idle=0.3)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        taken: list[bytes] = []
+        r.hand_to(lambda d: int(d) % 3 != 2 and not taken.append(d))
+        left = [c async for c in r.iter_chunks()]
+        assert taken == [b"0", b"1", b"3", b"4", b"6", b"7"] and left == [b"2", b"5"]
+        r.close()
+        assert p.in_use == 0 and len(p.idle) == 1, "a whole reply frees its connection for the next request"
+
+        r = await p.request("POST", "/x", {}, b"", 5)
+        taken.clear()
+        r.hand_to(lambda d: d != b"2" and not taken.append(d))
+        await asyncio.sleep(1.3)  # the whole reply arrives before the consumer looks
+        assert taken == [b"0", b"1"] and [c async for c in r.iter_chunks()] == [b"2", b"3", b"4", b"5", b"6", b"7"]
+        r.close()
+        for w in writers:
+            w.close()
+
+
+async def test_a_sink_that_fails_fails_the_consumer_and_drops_the_connection():
+    server, url, writers = await _pieces_server(4, 0.05)
+    async with server:
+        p = pool(url)
+        r = await p.request("POST", "/x", {}, b"", 5)
+
+        def sink(data: bytes) -> bool:
+            if data == b"1":
+                raise KeyError("the consumer's own bug")
+            return True
+
+        r.hand_to(sink)
+        with pytest.raises(KeyError):
+            await r.next_chunk()
+        r.close()
+        assert p.in_use == 0 and not p.idle, "an unfinished reply's connection is never reused"
+        for w in writers:
+            w.close()
+
+
 async def test_head_timeout_aborts_connection():
     e = await FakeEngine(Knobs(hang=True)).start()
     try:

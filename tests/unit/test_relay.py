@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import orjson
@@ -161,3 +162,66 @@ async def test_null_usage_in_every_chunk_passes_unparsed_and_the_real_usage_is_s
     assert sink.out == tokens + SG_FIN + (b"" if strip else USAGE) + DONE
     assert meter.token_events == 4 and meter.saw_finish
     assert meter.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+class NowSink(Sink):
+    """A client stream that also takes writes from a callback, as the front's does."""
+
+    writable = True
+
+    def write_now(self, data: bytes, last: bool = False) -> None:
+        assert self.writable and not self.eof, "take() writes only when the client keeps up"
+        self.out += data
+        self.eof = self.eof or last
+
+
+STREAM = [ROLE, TOK, TOK + TOK, NULL, TOK[:9], TOK[9:], TOK, FIN + USAGE, DONE]
+
+
+@pytest.mark.parametrize("strip", [True, False])
+async def test_take_relays_what_feed_would_and_leaves_it_what_it_must(strip):
+    # Chunks offered to take() first, as the engine connection's read callback does, then to feed() when declined:
+    # the client gets byte for byte what feed() alone gives, and the meter the same figures.
+    alone_sink, alone = NowSink(), StreamMeter()
+    relay = SSERelay(alone_sink, alone, strip_usage=strip, rename=ModelRewrite("public"))
+    for c in STREAM:
+        await relay.feed(c)
+    await relay.finish()
+    sink, meter = NowSink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=strip, rename=ModelRewrite("public"))
+    taken = []
+    for c in STREAM:
+        if relay.take(c):
+            taken.append(c)
+        else:
+            await relay.feed(c)
+    await relay.finish()
+    assert sink.out == alone_sink.out and sink.eof
+    assert (meter.token_events, meter.usage, meter.saw_finish, meter.saw_done) == \
+        (alone.token_events, alone.usage, alone.saw_finish, alone.saw_done) == (5, alone.usage, True, True)
+    # Declined: before the first token (feed may split a burst there), a partial event, the event it ends.
+    assert ROLE not in taken and TOK[:9] not in taken and TOK[9:] not in taken
+    assert taken == [TOK + TOK, NULL, TOK, FIN + USAGE, DONE]
+
+
+async def test_take_declines_while_the_client_lags_or_feed_waits_for_it():
+    sink, meter = NowSink(), StreamMeter()
+    relay = SSERelay(sink, meter, strip_usage=True, rename=ModelRewrite("n"))
+    await relay.feed(ROLE + TOK)
+    sink.writable = False  # the client stopped reading: the stream's task waits for it, in feed()
+    assert not relay.take(TOK)
+    sink.writable = True
+    gate = asyncio.Event()
+
+    class Waiting(NowSink):
+        async def write(self, data: bytes) -> None:
+            await super().write(data)
+            await gate.wait()  # as a write that waits for the client to drain
+
+    relay.resp = Waiting()
+    feeding = asyncio.create_task(relay.feed(TOK))
+    await asyncio.sleep(0)
+    assert not relay.take(TOK), "a chunk must not overtake the one feed() is writing"
+    gate.set()
+    await feeding
+    assert relay.take(TOK) and meter.token_events == 3
