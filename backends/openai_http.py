@@ -8,7 +8,8 @@ from typing import Any, ClassVar, Mapping
 import aiohttp
 import orjson
 
-from backends.http1 import HostPool, Response
+from backends.http1 import HostPool
+from backends.http1_response import Response
 from backends.slots import Slots
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 

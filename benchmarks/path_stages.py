@@ -38,7 +38,7 @@ STAGES = (
     ("upstream write", "backends.http1", "Connection.send"),
     ("engine bytes in", "backends.http1", "Connection.data_received"),
     ("engine head parsed", "backends.http1", "Connection.on_headers_complete"),
-    ("reply read", "backends.http1", "Response.read"),
+    ("reply read", "backends.http1_response", "Response.read"),
     ("stream relay", "gateway.pipeline", "stream_reply"),
     ("usage", "gateway.pipeline", "usage_of"),
     ("reply headers", "gateway.runtime", "Gateway.reply_headers"),
