@@ -95,7 +95,9 @@ class Response:
         the consumer's task). The consumer still waits in next_chunk for what the sink leaves and for the end."""
         self._sink = sink
 
-    async def next_chunk(self) -> bytes | None:
+    async def next_chunk(self, by: float = 0.0) -> bytes | None:
+        """The next piece of the body, None at its end; TimeoutError after idle_timeout without one, or at `by`
+        (loop time) when that comes sooner."""
         while not self._chunks:
             if self._done:
                 if self._error is not None:
@@ -103,7 +105,13 @@ class Response:
                 return None
             loop = self._conn.loop
             self._waiter = w = loop.create_future()
-            self._idle_by = loop.time() + self._conn.pool.idle_timeout
+            idle_by = loop.time() + self._conn.pool.idle_timeout
+            if by and by < idle_by:
+                idle_by = by
+                if self._idle_timer is not None:  # (set for a later time by an earlier wait)
+                    self._idle_timer.cancel()
+                    self._idle_timer = None
+            self._idle_by = idle_by
             if self._idle_timer is None:
                 self._idle_timer = loop.call_at(self._idle_by, self._idle_check)
             try:

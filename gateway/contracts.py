@@ -155,9 +155,9 @@ class UpstreamReply(Protocol):
 
     def iter_chunks(self) -> AsyncIterator[bytes]: ...
 
-    async def next_chunk(self) -> bytes | None:
-        """The next piece of the body as it arrived, None at its end (iter_chunks without an async generator:
-        a stream's relay takes every token this way)."""
+    async def next_chunk(self, by: float = 0.0) -> bytes | None:
+        """The next piece of the body as it arrived, None at its end (iter_chunks without an async generator);
+        TimeoutError when none came in the idle timeout, or by `by` (loop time) when that is sooner."""
 
     def hand_to(self, sink: Callable[[bytes], bool] | None) -> None:
         """Offer later pieces of the body to `sink` as they arrive, before next_chunk sees them (True: taken)."""

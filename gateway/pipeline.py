@@ -281,8 +281,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     """Wait for the first upstream bytes (failover still possible), then commit and relay chunk by chunk."""
     ex = st.ex
     try:
-        async with asyncio.timeout_at(first_by):  # one deadline from sending the request to the first byte
-            first = await reply.next_chunk()
+        first = await reply.next_chunk(first_by)  # one deadline from sending the request to the first byte
     except TimeoutError as e:
         charge_timeout(b, started, g.cfg.health)
         raise Retryable(upstream_timeout("no first token in time")) from e

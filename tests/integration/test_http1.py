@@ -300,6 +300,27 @@ async def test_a_sink_that_fails_fails_the_consumer_and_drops_the_connection():
             w.close()
 
 
+async def test_a_wait_with_its_own_deadline_ends_there_and_the_idle_timeout_still_holds_after():
+    # A stream's first byte has a deadline sooner than the idle timeout (next_chunk(by)): the wait ends there.
+    server, url, writers = await _pieces_server(3, 0.5)
+    async with server:
+        p = pool(url, idle=5.0)
+        r = await p.request("POST", "/x", {}, b"", 5)
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await r.next_chunk(loop.time() + 0.2)
+        assert time.monotonic() - t0 < 0.45, "the first piece comes at 0.5 s: the deadline ended the wait before it"
+        r.close()
+        assert not p.idle and p.in_use == 0
+        r = await p.request("POST", "/x", {}, b"", 5)
+        assert await r.next_chunk(loop.time() + 3) == b"0"  # in time: the later waits have the idle timeout
+        assert [c async for c in r.iter_chunks()] == [b"1", b"2"]
+        r.close()
+        for w in writers:
+            w.close()
+
+
 async def test_head_timeout_aborts_connection():
     e = await FakeEngine(Knobs(hang=True)).start()
     try:
@@ -313,6 +334,59 @@ async def test_head_timeout_aborts_connection():
         assert not p.idle and p.in_use == 0
     finally:
         await e.stop()
+
+
+async def _answering_after(delays: list[float | None]):
+    """An engine answering the i-th request on a connection after delays[i] seconds (None: never)."""
+    writers = []
+
+    async def answer(reader, writer):
+        writers.append(writer)
+        try:
+            for delay in delays:
+                await read_request(reader)
+                if delay is None:
+                    await asyncio.sleep(3600)
+                await asyncio.sleep(delay)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    server, url = await raw_server(answer)
+    return server, url, writers
+
+
+@pytest.mark.parametrize("case", ["sooner deadline", "later deadline", "after a lapse"])
+async def test_each_request_on_a_connection_keeps_its_own_head_deadline(case):
+    # One timer serves the requests of a keep-alive connection one after another (Connection._head_check). Whatever
+    # the deadlines of the requests before, each reply head is awaited until its own deadline and no longer.
+    first_timeout, second_timeout, second_delay = {
+        "sooner deadline": (30.0, 0.3, None),  # the timer, set for 30 s, is set again for 0.3 s
+        "later deadline": (0.3, 1.5, 0.6),  # the timer fires at 0.3 s with a head awaited that is due later
+        "after a lapse": (0.3, 0.3, None),  # the timer fired with nothing awaited and lapsed; it is set again
+    }[case]
+    server, url, writers = await _answering_after([0.0, second_delay])
+    async with server:
+        p = pool(url)
+        r = await p.request("POST", "/x", {}, b"", first_timeout)
+        assert await r.read(10) == b"ok"
+        r.close()
+        if case == "after a lapse":
+            await asyncio.sleep(0.5)
+        assert len(p.idle) == 1
+        t0 = time.monotonic()
+        if second_delay is None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(p.request("POST", "/x", {}, b"", second_timeout), 5)
+            assert time.monotonic() - t0 < 2, "timed out by the request's own deadline, not the outer guard"
+            assert not p.idle and p.in_use == 0, "a timed-out connection is never reused"
+        else:
+            r = await p.request("POST", "/x", {}, b"", second_timeout)
+            assert await r.read(10) == b"ok" and time.monotonic() - t0 >= second_delay
+            r.close()
+        for w in writers:
+            w.close()
 
 
 @pytest.mark.parametrize("name,value", [("x-request-id", "a\r\nGET / HTTP/1.1"), ("x-request-id", "a\nb"),
