@@ -227,6 +227,10 @@ class Connection(asyncio.Protocol):
             raise UpstreamProtocolError("unsupported transfer coding in the reply")
         self._until_close = te is None and "content-length" not in headers and status not in (204, 304)
         resp = self._resp = Response(self, status, headers, lines)
+        if resp.streaming:
+            # A stream holds this connection for as long as it lasts: its head timer (about 550 bytes while armed)
+            # goes now instead of living on to the deadline; one cancel a stream is nothing beside its tokens.
+            self._stop_head_timer()
         w, self._head_waiter = self._head_waiter, None
         if w is not None and not w.done():
             w.set_result(resp)

@@ -321,6 +321,31 @@ async def test_a_wait_with_its_own_deadline_ends_there_and_the_idle_timeout_stil
             w.close()
 
 
+async def test_a_stream_does_not_keep_its_head_timer_and_a_whole_reply_leaves_it_for_the_next_request():
+    writers = []
+
+    async def answer(reader, writer):
+        writers.append(writer)
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+
+    server, url = await raw_server(answer)
+    async with server:
+        p = pool(url)
+        r = await p.request("POST", "/x", {}, b"", 30)
+        conn = r._conn
+        assert await r.read(10) == b"ok" and conn._head_timer is not None  # lapses at its time, or serves the next
+        r.close()
+        r = await p.request("POST", "/x", {}, b"", 30)
+        assert r._conn is conn and conn._head_timer is None, "a stream holds no timer for its head once it came"
+        r.close()
+        for w in writers:
+            w.close()
+
+
 async def test_head_timeout_aborts_connection():
     e = await FakeEngine(Knobs(hang=True)).start()
     try:
