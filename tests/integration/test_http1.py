@@ -322,17 +322,7 @@ async def test_a_wait_with_its_own_deadline_ends_there_and_the_idle_timeout_stil
 
 
 async def test_a_stream_does_not_keep_its_head_timer_and_a_whole_reply_leaves_it_for_the_next_request():
-    writers = []
-
-    async def answer(reader, writer):
-        writers.append(writer)
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-
-    server, url = await raw_server(answer)
+    server, url, writers = await _replying([(0.0, OK_REPLY), (0.0, STREAM_HEAD)])
     async with server:
         p = pool(url)
         r = await p.request("POST", "/x", {}, b"", 30)
@@ -361,19 +351,23 @@ async def test_head_timeout_aborts_connection():
         await e.stop()
 
 
-async def _answering_after(delays: list[float | None]):
-    """An engine answering the i-th request on a connection after delays[i] seconds (None: never)."""
+OK_REPLY = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def _replying(replies: list[tuple[float | None, bytes]]):
+    """An engine answering the i-th request on a connection with replies[i]: (delay in seconds, None: never; bytes)."""
     writers = []
 
     async def answer(reader, writer):
         writers.append(writer)
         try:
-            for delay in delays:
+            for delay, reply in replies:
                 await read_request(reader)
                 if delay is None:
                     await asyncio.sleep(3600)
                 await asyncio.sleep(delay)
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                writer.write(reply)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return
@@ -391,7 +385,7 @@ async def test_each_request_on_a_connection_keeps_its_own_head_deadline(case):
         "later deadline": (0.3, 1.5, 0.6),  # the timer fires at 0.3 s with a head awaited that is due later
         "after a lapse": (0.3, 0.3, None),  # the timer fired with nothing awaited and lapsed; it is set again
     }[case]
-    server, url, writers = await _answering_after([0.0, second_delay])
+    server, url, writers = await _replying([(0.0, OK_REPLY), (second_delay, OK_REPLY)])
     async with server:
         p = pool(url)
         r = await p.request("POST", "/x", {}, b"", first_timeout)
