@@ -6,7 +6,7 @@ import asyncio
 import socket
 import ssl as ssl_mod
 from collections import deque
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -39,7 +39,8 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: "HostPool") -> None:
         self.pool = pool
         self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
+        # Set by connection_made, which the event loop calls before the connection is handed out.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.closed = False
         self.used = 0
         self.idle_since = 0.0
@@ -131,7 +132,10 @@ class Connection(asyncio.Protocol):
             # it now, in order, so that what waits unparsed is never more than one read.
             later, self._later = self._later, None
             data = later + data
-        if self._resp is None and not self._complete and len(data) > FIRST_PART:
+        # (A local, not a test of self._resp in the `if`: that would narrow self._resp to None past the parse
+        # that sets it, and the compiled build checks a narrowed type when it reads the attribute again.)
+        head_next = self._resp is None and not self._complete
+        if head_next and len(data) > FIRST_PART:
             # A reply's head and the start of its body in one large read (a fast engine's whole stream): its
             # first events reach the client before the rest is parsed, one loop turn later.
             self._parse(data[:FIRST_PART])
@@ -197,6 +201,7 @@ class Connection(asyncio.Protocol):
         # Strict llhttp allows no bare CR or LF in a head, so it ends at the first CRLFCRLF of its bytes, and
         # every line in it is `name ":" OWS value OWS`.
         raw = self._head
+        assert raw is not None  # (set when the request was sent, cleared only here)
         end = raw.find(b"\r\n\r\n")
         if end + 4 > MAX_HEAD:
             raise UpstreamProtocolError("reply head too large")

@@ -138,12 +138,8 @@ class Response:
     def broken(self) -> bool:
         return self._done and self._error is not None
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            data = await self.next_chunk()
-            if data is None:
-                return
-            yield data
+    def iter_chunks(self) -> AsyncIterator[bytes]:
+        return _Chunks(self)
 
     async def read(self, limit: int, *, truncate: bool = False) -> bytes:
         """The whole body, up to `limit` bytes. Past it: ReplyTooLarge, or with truncate=True the first
@@ -170,3 +166,21 @@ class Response:
             self._idle_timer.cancel()
             self._idle_timer = None
         self._conn.release(self)
+
+
+class _Chunks:
+    """A body's pieces for `async for` (a class, not an async generator: those cannot be compiled ahead of time)."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: Response) -> None:
+        self._resp = resp
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._resp.next_chunk()
+        if data is None:
+            raise StopAsyncIteration
+        return data

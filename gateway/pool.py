@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Callable, Iterable
@@ -41,7 +42,7 @@ class BackendState:
         # [probe] at_start: public model -> why this engine failed a required check for it (not routed here).
         self.unsupported: dict[str, str] = {}
         self.probe_cfg = gcfg.probe
-        self.probe_task = None  # the support probe running since the last promotion to ready
+        self.probe_task: asyncio.Task | None = None  # the support probe running since the last promotion to ready
 
     def reconfigure(self, cfg: BackendConfig) -> None:
         """Its own settings: at creation, and when a reload changes what it serves (same engine and URL)."""
@@ -174,7 +175,8 @@ class Pool:
     def largest_window(self, model: str) -> int | None:
         """The largest context window among every backend of `model`, usable now or not (None: one is unknown)."""
         windows = [b.window(model) for b in self._by_model.get(model, ())]
-        return None if not windows or None in windows else max(windows)
+        known = [w for w in windows if w is not None]
+        return max(known) if known and len(known) == len(windows) else None
 
     def retry_hint(self, model: str, now: float) -> float:
         """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening (the

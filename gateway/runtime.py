@@ -163,7 +163,8 @@ class Gateway:
         self.tally = Tally()
         self.experiments = Experiments(cfg.experiments)
         self.shadow_tasks: set = set()  # copies in flight (gateway/shadow.py): cancelled at shutdown
-        self.experiments_cache = None  # the last /admin/experiments report (gateway/experiment_admin.py)
+        # The last /admin/experiments report (gateway/experiment_admin.py): (its key, when, the report).
+        self.experiments_cache: tuple[tuple, float, dict] | None = None
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.limiter = self._limiter(cfg)
         self.request_ids = RequestIds()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from itertools import islice
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 # Every value is reported within 0.5 % of what it was: 1 ms reads as 0.995-1.005 ms. Buckets are log-spaced
 # (DDSketch's mapping), so one bucket map serves ITLs of 100 us and generations of minutes alike; only
@@ -58,7 +58,7 @@ def quantile(sk: Sketch, q: float) -> float | None:
     return value(keys[-1])
 
 
-def encode(sk: Sketch, weight: float = 1.0) -> dict:
+def encode(sk: Mapping[int, float], weight: float = 1.0) -> dict:
     """JSON form: parallel lists of bucket indexes and counts, and `w`, what each count weighs (when not 1)."""
     keys = sorted(sk)
     out = {"i": keys, "n": [sk[i] for i in keys]}
