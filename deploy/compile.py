@@ -1,0 +1,84 @@
+"""Compiles the request path's modules to C extensions with mypyc, in a tree that runs and is not edited."""
+
+# Why: a request spends about a third of its instructions in the interpreter's loop and frames; compiled, the
+# same source runs those parts as C (benchmarks/path_instructions.py counts both builds side by side). The
+# source stays plain Python: every module below also runs uncompiled, and the test suite runs on both builds.
+# A compiled module (NAME.cpython-*.so) is imported in place of NAME.py, so a tree is compiled where nobody
+# edits it (an image, a copy); gateway/__init__.py refuses to start when a source is newer than its compiled form.
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The modules a request runs through, typed throughout (pyproject.toml's [tool.mypy] files hold each of them).
+# Left out: modules with async generators (mypyc has none), with pydantic models (policies/*), or that wrap
+# aiohttp and prometheus_client, whose own code is most of what they run.
+COMPILED = (
+    "gateway/pipeline.py", "gateway/connection.py", "gateway/exchange.py", "gateway/relay.py",
+    "gateway/shape.py", "gateway/runtime.py", "gateway/context.py", "gateway/admission.py",
+    "gateway/failover.py", "gateway/request.py", "gateway/stats.py", "gateway/pool.py", "gateway/auth.py",
+    "gateway/request_head.py", "gateway/headers.py", "gateway/errors.py",
+    "backends/http1.py", "backends/http1_response.py",
+)
+PACKAGES = ("gateway", "backends", "policies")
+SKIP = shutil.ignore_patterns(".git", "__pycache__", "build", "*.so", "*.egg-info", ".pytest_cache")
+
+
+def compiled_files(tree: Path) -> list[Path]:
+    """The compiled modules now in `tree` (each package's *.so, and mypyc's shared library at the top)."""
+    return [p for d in ("", *PACKAGES) for p in (tree / d).glob("*.so")]
+
+
+def clean(tree: Path) -> None:
+    """Remove every compiled module from `tree`: it runs as plain Python again."""
+    for p in compiled_files(tree):
+        p.unlink()
+
+
+def compile_tree(tree: Path) -> float:
+    """Compile COMPILED in place in `tree` (its sources as they are now); the seconds it took."""
+    clean(tree)
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "mypyc", *COMPILED], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "MYPYC_OPT_LEVEL": os.environ.get("MYPYC_OPT_LEVEL", "3")})
+    if done.returncode != 0:
+        raise SystemExit(f"mypyc failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    shutil.rmtree(tree / "build", ignore_errors=True)  # C sources and objects: only the .so files are used
+    missing = [m for m in COMPILED if not list((tree / m).parent.glob(Path(m).stem + ".cpython-*.so"))]
+    if missing:
+        raise SystemExit(f"mypyc left no compiled module for {', '.join(missing)}")
+    return time.monotonic() - t0
+
+
+def copy_tree(dest: Path) -> None:
+    """This tree's files (no VCS data, caches or compiled modules) into `dest`, which must not exist."""
+    shutil.copytree(ROOT, dest, ignore=SKIP, symlinks=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--copy", metavar="DEST", type=Path,
+                    help="copy this tree to DEST (which must not exist) and compile the copy, not this tree")
+    ap.add_argument("--clean", action="store_true", help="remove the compiled modules from this tree instead")
+    args = ap.parse_args()
+    if args.clean:
+        clean(ROOT)
+        return 0
+    tree = ROOT
+    if args.copy is not None:
+        copy_tree(args.copy)
+        tree = args.copy
+    seconds = compile_tree(tree)
+    print(f"compiled {len(COMPILED)} modules in {tree} in {seconds:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
