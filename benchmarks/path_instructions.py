@@ -23,6 +23,9 @@ from overhead import (BODIES, KEY, LAUNCH, export_revision, free_port, stop_all,
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from deploy.compile import compile_tree, copy_tree  # noqa: E402
+
 # Why instructions: CPU time per request moves by 5-30 % from run to run on this machine kind (a shared virtual
 # machine), more than most changes to the request path; callgrind counts what the process executes, the same for
 # the same work. It counts user space only: the kernel's part (socket reads and writes) is not in it.
@@ -31,6 +34,8 @@ FEATURES = {"no access log": "[server] access_log = false",
             "no API-key auth": "[auth] enabled = false",
             "round robin": "[routing] policy = \"round_robin\" instead of the default shape policy"}
 # Probes and load scrapes an hour apart: after the first ones (at start) none falls inside a counted window.
+# The same tree with the request path compiled by deploy/compile.py (what the image runs), defaults otherwise.
+COMPILED = "compiled"
 QUIET_HEALTH = "interval_s = 3600\nload_interval_s = 3600\nload_stale_s = 7200\n"
 KINDS = ("nonstream", "stream", "stream-sglang")
 STREAM_TOKENS = 50
@@ -91,12 +96,13 @@ def start_counted(src: Path, cfg: Path, out_dir: Path, procs: list) -> tuple[int
     return port, p.pid
 
 
-def measure(args, baseline: Path | None, rev: str | None) -> dict:
+def measure(args, baseline: Path | None, rev: str | None, compiled: Path | None = None) -> dict:
     cond = {**machine(), "command": "python3 " + shlex.join(["benchmarks/path_instructions.py", *sys.argv[1:]]),
             "rounds": args.rounds, "requests": {k: args.requests if k == "nonstream" else args.streams for k in KINDS},
             "idle_s": args.idle, "warm": args.warm, "baseline": rev, "stream_tokens": STREAM_TOKENS,
             "stream_interval_s": STREAM_INTERVAL_S}
-    targets = ["defaults", *FEATURES] + ([f"baseline {rev}"] if baseline is not None else [])
+    targets = (["defaults", *FEATURES] + ([COMPILED] if compiled is not None else [])
+               + ([f"baseline {rev}"] if baseline is not None else []))
     points: list[dict] = []
     for kind in args.kinds:
         procs: list[subprocess.Popen] = []
@@ -106,7 +112,8 @@ def measure(args, baseline: Path | None, rev: str | None) -> dict:
                 engine = start_engine(kind, procs)
                 running = {}
                 for i, name in enumerate(targets):
-                    src = baseline if name.startswith("baseline") and baseline is not None else ROOT
+                    src = (baseline if name.startswith("baseline") and baseline is not None
+                           else compiled if name == COMPILED and compiled is not None else ROOT)
                     cfg = config(tmp / f"{i}.toml", engine, name if name in FEATURES else None)
                     running[name] = (*start_counted(src, cfg, tmp / f"cg{i}", procs), tmp / f"cg{i}")
                 for name, (port, _, _) in running.items():
@@ -154,6 +161,9 @@ def markdown(data: dict) -> str:
              f"estimate older than its minimum age and solves it again (`gateway/stats.py`, MIN_AGE_S): under load one "
              f"solve serves many requests, so 'no stats upkeep' saves less per request there than here, for streams "
              f"above all (each lasts over {c['stream_tokens'] * c['stream_interval_s'] * 1000:g} ms)."]
+    if COMPILED in data["targets"]:
+        lines[-1] += (f" The '{COMPILED}' target runs a copy of this tree in which `deploy/compile.py` has compiled "
+                      f"the request path's modules with mypyc (as the image runs them); its config is the defaults'.")
     for kind in c["requests"]:
         rows = [p for p in data["points"] if p["kind"] == kind]
         if not rows:
@@ -164,7 +174,9 @@ def markdown(data: dict) -> str:
                 "stream-sglang": f"Stream of {c['stream_tokens']} tokens, SGLang's chunks"}[kind]
         lines += ["", f"## {what}", "", "| target | instructions / request | against the defaults |", "|---|---|---|"]
         for t, (m, spread) in figures.items():
-            note = FEATURES.get(t, "this tree's source at an earlier commit" if t.startswith("baseline") else "")
+            note = FEATURES.get(t, "this tree's source at an earlier commit" if t.startswith("baseline")
+                                else "this tree, the request path compiled by deploy/compile.py" if t == COMPILED
+                                else "")
             against = "" if t == "defaults" else f"{m - base:+,.0f} ({(m - base) / base * 100:+.1f} %)"
             lines.append(f"| {t}{f' ({note})' if note else ''} | {m:,.0f} (±{spread * 100:.1f}%) | {against} |")
     return "\n".join(lines) + "\n"
@@ -179,6 +191,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=40, help="streams per window")
     ap.add_argument("--warm", type=int, default=100)
     ap.add_argument("--idle", type=float, default=2.0, help="seconds of each round's idle window")
+    ap.add_argument("--no-compiled", action="store_true", help="leave out the compiled build of this tree")
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
     if args.render:
@@ -191,7 +204,12 @@ def main() -> None:
         if args.baseline:
             baseline = Path(d) / "baseline"
             rev = export_revision(args.baseline, baseline)
-        save_and_render("path_instructions", measure(args, baseline, rev), markdown)
+        compiled = None
+        if not args.no_compiled:
+            compiled = Path(d) / "compiled"
+            copy_tree(compiled)
+            compile_tree(compiled)
+        save_and_render("path_instructions", measure(args, baseline, rev, compiled), markdown)
 
 
 if __name__ == "__main__":

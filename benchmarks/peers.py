@@ -29,12 +29,14 @@ Starter = Callable[[Path, list[str]], pt.Target]
 STARTERS: dict[str, Starter] = {
     "shapegate": lambda tmp, e: pt.start_shapegate(tmp, e, 1),
     "shapegate-w2": lambda tmp, e: pt.start_shapegate(tmp, e, 2),
+    "shapegate-source": lambda tmp, e: pt.start_shapegate(tmp, e, 1, compiled=False),
     "python-floor": pt.start_parsing_proxy,
     "vllm-router": pt.start_vllm_router,
     "sglang-router": pt.start_sglang_router,
     "nginx": pt.start_nginx,
 }
 LABELS = {"direct": "direct", "shapegate": "shapegate", "shapegate-w2": "shapegate --workers 2",
+          "shapegate-source": "shapegate, uncompiled",
           "python-floor": "Python floor", "vllm-router": "vLLM router", "sglang-router": "SGLang router",
           "nginx": "nginx"}
 
@@ -180,7 +182,8 @@ def conditions(args) -> dict:
     c.update(command=shlex.join(["python3", "benchmarks/peers.py", *sys.argv[1:]]), cores=os.cpu_count(),
              seconds=args.seconds, warmup=args.warmup, rounds=args.rounds, wrk_seconds=args.wrk_seconds,
              wrk=" ".join((wrk.stdout + wrk.stderr).split()[:2]), points=[list(p) for p in POINTS],
-             engines="2 x benchmarks/fast_engine.py (zero delay, 16-token replies, 200-chunk streams)")
+             engines="2 x benchmarks/fast_engine.py (zero delay, 16-token replies, 200-chunk streams)",
+             shapegate_build="compiled")
     return c
 
 

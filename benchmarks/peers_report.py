@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-ROWS = ("direct", "shapegate", "shapegate-w2", "python-floor", "vllm-router", "sglang-router", "nginx")
+ROWS = ("direct", "shapegate", "shapegate-w2", "shapegate-source", "python-floor", "vllm-router", "sglang-router",
+        "nginx")
 REF = "vllm-router"  # the peer the targets are set against
 
 
@@ -190,7 +191,7 @@ def failures(d: Data) -> list[str]:
 
 def versions(d: Data) -> str:
     return "; ".join(f"{v['label']} {v['version']}" for t, v in d.r["targets"].items()
-                     if t not in ("direct", "shapegate-w2") and v.get("status") == "ok")
+                     if t not in ("direct", "shapegate-w2", "shapegate-source") and v.get("status") == "ok")
 
 
 def shapes(d: Data) -> str:
@@ -211,6 +212,9 @@ framed by llhttp, the key compared, the body's JSON parsed, a reply head of its 
 No health, limits, retries, routing policy, stats, metrics or logs. It shows how much of shapegate's figures is the \
 language and how much is shapegate's own work."""
 
+COMPILED_TEXT = "shapegate runs as its image does, the request path compiled by `deploy/compile.py` (mypyc)"
+UNCOMPILED_ROW = ', except on the "shapegate, uncompiled" row (the same sources as plain Python)'
+
 
 def markdown(results: dict) -> str:
     d, c = Data(results), results["conditions"]
@@ -223,6 +227,8 @@ def markdown(results: dict) -> str:
     floor_turn = ", the Python floor one engine per client connection, in turn" if floor else ""
     checkers = "shapegate and the Python floor check it" if floor else "only shapegate checks it"
     floor_text = FLOOR_TEXT if floor else ""
+    build = (COMPILED_TEXT + (UNCOMPILED_ROW if "shapegate-source" in results["targets"] else "") + ". "
+             if c.get("shapegate_build") == "compiled" else "")
     return f"""# shapegate beside the peer routers
 
 Run {c['date']}, commit {c['commit']} ({tree}), `{c['command'].strip()}` ({c.get('duration_s', '?')} s). Machine: \
@@ -230,7 +236,7 @@ Run {c['date']}, commit {c['commit']} ({tree}), `{c['command'].strip()}` ({c.get
 second before it started: {c['busy_cores_before']}. Versions: {versions(d) or 'no peer ran'}; {c['wrk']}.
 
 All {c['cores']} cores are shared by the load client, wrk, the two engines and the target: nothing is pinned, \
-and one target runs at a time while the others sit idle. shapegate runs one process, except on the \
+and one target runs at a time while the others sit idle. {build}shapegate runs one process, except on the \
 "shapegate --workers 2" row; nginx runs one worker process (`worker_processes 1`), so one process is compared \
 with one process; the vLLM and SGLang routers run as they start, with their default thread pools. Processes / \
 threads of each target after its warm-up: {shapes(d)}.

@@ -193,7 +193,24 @@ def shapegate_config(path: Path, engines: list[str]) -> Path:
     return path
 
 
-def start_shapegate(tmp: Path, engines: list[str], workers: int) -> Target:
+def compiled_tree(tmp: Path) -> Path:
+    """A copy of this tree with the request path compiled by deploy/compile.py (as the image runs it), made once."""
+    tree = tmp / "compiled"
+    if not tree.exists():
+        sys.path.insert(0, str(ROOT))
+        from deploy.compile import compile_tree, copy_tree
+        copy_tree(tree)
+        try:
+            compile_tree(tree)
+        except SystemExit as e:  # (mypyc's own words)
+            shutil.rmtree(tree, ignore_errors=True)
+            raise Unavailable(first_line(str(e.code)), "build") from None
+    return tree
+
+
+def start_shapegate(tmp: Path, engines: list[str], workers: int, compiled: bool = True) -> Target:
+    """shapegate as the image runs it (compiled), or from its plain sources; `python -m` in the tree's directory
+    imports that tree's modules."""
     from gateway.cli import version
     port = free_port()
     cfg = shapegate_config(tmp / "shapegate.toml", engines)
@@ -201,11 +218,14 @@ def start_shapegate(tmp: Path, engines: list[str], workers: int) -> Target:
     if workers > 1:
         cmd += ["--workers", str(workers)]
     url = f"http://127.0.0.1:{port}"
-    log = tmp / f"shapegate-w{workers}.log"
-    proc = launch(cmd, url, log, cwd=ROOT)
-    return Target("shapegate" if workers == 1 else f"shapegate-w{workers}",
-                  "shapegate" if workers == 1 else f"shapegate --workers {workers}", url, proc, version(),
-                  "python3 -m gateway.cli serve --config CFG" + (f" --workers {workers}" if workers > 1 else ""), log)
+    tid = ("shapegate" if workers == 1 else f"shapegate-w{workers}") if compiled else "shapegate-source"
+    log = tmp / f"{tid}.log"
+    proc = launch(cmd, url, log, cwd=compiled_tree(tmp) if compiled else ROOT)
+    label = "shapegate" if workers == 1 else f"shapegate --workers {workers}"
+    where = "in a copy compiled by deploy/compile.py" if compiled else "from the uncompiled sources"
+    return Target(tid, label if compiled else "shapegate, uncompiled", url, proc, version(),
+                  "python3 -m gateway.cli serve --config CFG" + (f" --workers {workers}" if workers > 1 else "")
+                  + f" ({where})", log)
 
 
 def start_vllm_router(tmp: Path, engines: list[str]) -> Target:
