@@ -24,7 +24,7 @@ from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from deploy.compile import compile_tree, copy_tree  # noqa: E402
+from deploy.compile import compiled_copy  # noqa: E402
 
 # Why instructions: CPU time per request moves by 5-30 % from run to run on this machine kind (a shared virtual
 # machine), more than most changes to the request path; callgrind counts what the process executes, the same for
@@ -207,8 +207,7 @@ def main() -> None:
         compiled = None
         if not args.no_compiled:
             compiled = Path(d) / "compiled"
-            copy_tree(compiled)
-            compile_tree(compiled)
+            compiled_copy(compiled)
         save_and_render("path_instructions", measure(args, baseline, rev, compiled), markdown)
 
 

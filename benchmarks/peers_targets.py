@@ -198,10 +198,9 @@ def compiled_tree(tmp: Path) -> Path:
     tree = tmp / "compiled"
     if not tree.exists():
         sys.path.insert(0, str(ROOT))
-        from deploy.compile import compile_tree, copy_tree
-        copy_tree(tree)
+        from deploy.compile import compiled_copy
         try:
-            compile_tree(tree)
+            compiled_copy(tree)
         except SystemExit as e:  # (mypyc's own words)
             shutil.rmtree(tree, ignore_errors=True)
             raise Unavailable(first_line(str(e.code)), "build") from None
