@@ -10,9 +10,11 @@ import asyncio
 import resource
 import time
 from email.utils import formatdate
+from typing import Any
 
 from aiohttp import web
 
+from gateway.config import ServerConfig
 from gateway.connection import API_ROUTES, IDLE, LINGER, FrontConnection
 from gateway.inner import InnerRoutes
 from gateway.request import GATEWAY
@@ -51,7 +53,7 @@ class Front:
         self._date = ("", -1)
 
     @property
-    def cfg(self):
+    def cfg(self) -> ServerConfig:
         return self.g.cfg.server  # read on use: a reload applies to the next wait
 
     async def start(self, host: str, port: int, reuse_port: bool = False, backlog: int = 1024) -> None:
@@ -63,7 +65,8 @@ class Front:
     @property
     def port(self) -> int:
         assert self._server is not None, "the front is not started"
-        return self._server.sockets[0].getsockname()[1]
+        server: Any = self._server  # uvloop's sockets are a list (typeshed: a tuple, which compiled code checks)
+        return server.sockets[0].getsockname()[1]
 
     def date(self) -> str:
         """The Date header, formatted once a second."""

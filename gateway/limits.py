@@ -133,7 +133,7 @@ LINE_PARTS = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
               for kind, (limit, remaining, reset) in HEADER_NAMES.items()}
 
 
-def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: list[float]) -> dict[str, str]:
+def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
     """The x-ratelimit triple of each kind the key is limited in, from that kind's tightest bucket: the least
     remaining, then the longest until full."""
     tightest: dict[str, int] = {}
@@ -151,7 +151,7 @@ def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: list[float
     return out
 
 
-def plan_headers(plan: Plan, caps: tuple[float, ...], levels: list[float]) -> dict[str, str]:
+def plan_headers(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
     """headers() for a plan's buckets (what an error reply carries)."""
     return headers(plan.needs, caps, levels)
 

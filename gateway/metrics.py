@@ -7,7 +7,7 @@ import os
 import time
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Literal, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -33,7 +33,8 @@ MAX_CACHED_REASONS = 4096
 # in-flight adds up over live workers; a health/breaker state reads 1 when any live worker sees the backend
 # in it; engine load is the engine's own number, so the freshest sample any worker took wins, and the
 # sample age is the youngest one.
-POOL_GAUGES = (
+GaugeMode = Literal["livemax", "livesum", "livemostrecent", "livemin"]
+POOL_GAUGES: tuple[tuple[str, str, tuple[str, ...], GaugeMode], ...] = (
     ("shapegate_backend_health", "1 for the backend's current health state", ("backend", "engine", "state"),
      "livemax"),
     ("shapegate_backend_breaker", "1 for the backend's current breaker state", ("backend", "engine", "state"),
@@ -138,6 +139,8 @@ class LeanCounterChild:
         self.value += amount
 
 
+CounterChild = LeanCounterChild | Counter  # a label set of a counter, lean or the library's (several workers)
+
 class LeanCounter:
     """A counter without prometheus_client's per-increment lock, for the same reason as LeanHistogram."""
 
@@ -228,14 +231,16 @@ class Metrics:
         def histogram(name: str, doc: str, labels: list[str], buckets: tuple) -> LeanHistogram | Histogram:
             if self.multiprocess_dir:  # values must reach the shared files
                 return Histogram(name, doc, labels, buckets=buckets, registry=r)
-            lean.append(LeanHistogram(name, doc, labels, buckets))
-            return lean[-1]
+            h = LeanHistogram(name, doc, labels, buckets)
+            lean.append(h)
+            return h
 
-        def counter(name: str, doc: str, labels: list[str] = ()) -> LeanCounter | Counter:
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> LeanCounter | Counter:
             if self.multiprocess_dir:
                 return Counter(name, doc, labels, registry=r)
-            lean.append(LeanCounter(name, doc, labels))
-            return lean[-1]
+            c = LeanCounter(name, doc, labels)
+            lean.append(c)
+            return c
 
         # One per attempt on a backend, and one per request the gateway refused before trying any (backend "",
         # outcome "rejected"); outcome is one of gateway.contracts.RESULTS.
@@ -311,8 +316,8 @@ class Metrics:
             r.register(PoolCollector(backends))
             r.register(LeanCollector(lean))
         self._children: dict[tuple, tuple] = {}
-        self._decisions: dict[tuple[str, str, str], object] = {}
-        self._by_reason: dict[tuple[str, str, str], object] = {}
+        self._decisions: dict[tuple[str, str, str], CounterChild] = {}
+        self._by_reason: dict[tuple[str, str, str], CounterChild] = {}
         self._kinds: set[str] = set()
         self._kind_of: dict[tuple[str, str], str] = {}
         self.failovers: dict[str, int] = {}  # per backend since start, for /stats (folded into its windows)
@@ -379,7 +384,7 @@ class Metrics:
             self._kind_of[(policy, reason)] = kind
         return kind
 
-    def _decision_child(self, policy: str, backend: str, reason: str):
+    def _decision_child(self, policy: str, backend: str, reason: str) -> CounterChild:
         kind = self.reason_kind(policy, reason)
         key = (policy, backend, kind)
         c = self._decisions.get(key)
