@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Mapping
+from typing import Any, Awaitable, ClassVar, Mapping
 
 import aiohttp
 import orjson
@@ -56,11 +56,13 @@ def _sum_samples(text: str, name: str) -> float | None:
 LATENCY_FIELDS = ("ttft_sum", "ttft_count", "itl_sum", "itl_count", "prompt_tps", "predicted_tps")
 
 
-def load_from_gauges(g: Mapping[str, float], now: float, **slots: int | float | None) -> LoadSample:
-    """A load sample from parsed gauges: load figures, the engine's latency figures when it reports them."""
-    return LoadSample(running=slots.pop("running", g.get("running")), waiting=g.get("waiting"),
-                      kv_usage=g.get("kv_usage"), at=now, **slots,
-                      **{f: g[f] for f in LATENCY_FIELDS if f in g and g[f] >= 0})
+def load_from_gauges(g: Mapping[str, float], now: float, running: float | None = None,
+                     idle_slots: int | None = None, total_slots: int | None = None) -> LoadSample:
+    """A load sample from parsed gauges: load figures (`running` when the gauges have none), the engine's
+    latency figures when it reports them."""
+    latency = {f: g[f] for f in LATENCY_FIELDS if f in g and g[f] >= 0}
+    return LoadSample(running=g.get("running", running), waiting=g.get("waiting"), kv_usage=g.get("kv_usage"),
+                      idle_slots=idle_slots, total_slots=total_slots, at=now, **latency)
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -125,13 +127,14 @@ class OpenAIHTTPBackend:
         return h
 
     # -- the network seam ----------------------------------------------------------------------
-    async def forward(self, call: UpstreamCall, timeout: float) -> Response:
-        """Send one call; returns once the status line and headers arrived (within `timeout`)."""
+    def forward(self, call: UpstreamCall, timeout: float) -> Awaitable[Response]:
+        """Send one call; awaited, returns once the status line and headers arrived (within `timeout`). It hands
+        back the pool's own awaitable rather than being a coroutine: a request's every step skips one frame."""
         pool = self._pool
         if pool is None:
             pool = self._pool = HostPool(self.url, self._limit, self._connect_timeout, self._keepalive,
                                          self._idle_timeout, shared=self._shared_limit)
-        return await pool.request("POST", call.path, self.headers(call.headers), call.body, timeout)
+        return pool.request("POST", call.path, self.headers(call.headers), call.body, timeout)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -152,9 +155,11 @@ class OpenAIHTTPBackend:
     # -- health and load -----------------------------------------------------------------------
     async def probe(self, timeout: float, deep: bool = True) -> ProbeResult:
         """The engine's health route, or with deep=False its cheap liveness route when it has one."""
-        liveness = not deep and self.liveness_path is not None
+        liveness_path = self.liveness_path
+        liveness = not deep and liveness_path is not None
+        path = liveness_path if not deep and liveness_path is not None else self.health_path
         try:
-            status, body = await self._get(self.liveness_path if liveness else self.health_path, timeout)
+            status, body = await self._get(path, timeout)
         except aiohttp.ClientConnectorError as e:
             return ProbeResult(False, 0, f"connect failed: {e.os_error or e}", refused=True, liveness_only=liveness)
         except (aiohttp.ClientError, OSError, TimeoutError) as e:

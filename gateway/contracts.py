@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping, NamedTuple, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NamedTuple, Protocol
 
 # Request classes: which latency matters most for a request.
 LONG_OUTPUT = "long_output"
@@ -192,7 +192,7 @@ class Backend(Protocol):
     def prepare(self, route: str, body: dict[str, Any], raw: bytes, native_model: str,
                 force_usage: bool) -> bytes: ...
 
-    async def forward(self, call: UpstreamCall, timeout: float) -> UpstreamReply: ...
+    def forward(self, call: UpstreamCall, timeout: float) -> Awaitable[UpstreamReply]: ...  # (a coroutine will do)
 
     async def probe(self, timeout: float, deep: bool = True) -> ProbeResult: ...
 
