@@ -9,69 +9,34 @@ import os
 import secrets
 import socket
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway import pipeline
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, StateConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
 from gateway.experiment_admin import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.experiment_share import ExperimentShare
 from gateway.experiment_share import share_loop as experiment_share_loop
-from gateway.headers import valid_request_id
 from gateway.health import load_loop, probe_loop
 from gateway.key_admin import create_key, list_keys, revoke_key
-from gateway.limits import reservation_headers
 from gateway.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.metrics import LeanHistogram
-from gateway.request import GATEWAY, Exchange, RequestState
+from gateway.request import GATEWAY
 from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.replica_sync import ReplicaSync
 from gateway.runtime import Gateway, stats_report
-from gateway.state import shared_state
+from gateway.state import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.stats_merge import fold_counters, replicas_report, take_summary
 from gateway.stats_share import share_loop
 
 log = logging.getLogger("shapegate")
 
-def _error_headers(err: GatewayError, request_id: str) -> dict[str, str]:
-    return {"Content-Type": "application/json", "x-request-id": request_id, **err.headers}
-
-
 def _error_response(err: GatewayError, request_id: str) -> web.Response:
-    return web.Response(body=err.body(), status=err.status, headers=_error_headers(err, request_id))
-
-
-async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
-    """An API request: request id and API key first, then the pipeline (whose first step, reading the body,
-    raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
-    gets exactly one access-log line however it ends (and a refusal is counted there, as REJECTED)."""
-    headers = ex.headers
-    st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next(), ex, route)
-    status = 500
-    try:
-        st.principal = g.auth.authenticate(headers)
-        resp = await pipeline.handle(g, st)
-        status = resp.status
-        return resp
-    except GatewayError as err:
-        status = err.status
-        headers = _error_headers(err, st.request_id)
-        # Where the request went (empty: no backend was tried) and why, as on every reply.
-        headers["x-shapegate-backend"] = st.backend
-        headers["x-shapegate-reason"] = st.reason or (err.code or "error")
-        if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
-            headers.update(reservation_headers(st.limit))
-        return ex.reply(status, headers, err.body())
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away first (noticed while waiting, or on writing to it)
-        raise
-    finally:
-        g.finish(st, status)
+    return web.Response(body=err.body(), status=err.status, headers=err.reply_headers(request_id))
 
 
 def guarded(handler, *, key: bool = True):
@@ -275,6 +240,24 @@ async def _flush_loop(g: Gateway) -> None:
         g.access_log.flush()
         fold_counters(g, time.monotonic())  # breaker openings reach /metrics within 0.2 s
         g.metrics.refresh()  # with several workers: this one's pool view, for whichever answers a scrape
+
+
+@contextlib.asynccontextmanager
+async def shared_state(index: AffinityIndex | None, cfg: StateConfig) -> AsyncIterator[StateStore | None]:
+    """While the app runs: with `backend = "redis"`, sync the index through Redis in the background."""
+    if index is None or cfg.backend != "redis":
+        yield None
+        return
+    store = RedisStore.from_url(cfg.redis_url, cfg.key_prefix, cfg.affinity_ttl_s, cfg.redis_timeout_s)
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync_loop(index, store, cfg.flush_interval_s, stop), name="state-sync")
+    try:
+        yield store
+    finally:
+        stop.set()
+        await task  # ends within one store round trip (each bounded by redis_timeout_s)
+        await index.sync(store)  # last batch; a store error is logged, never raised
+        await store.close()
 
 
 def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Application:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from gateway.app import serve_api
+from gateway.pipeline import serve_api
 from gateway.errors import GatewayError
 from gateway.exchange import INTERNAL_ERROR, FrontExchange, error_reply, too_large
 from gateway.headers import valid_request_id

@@ -50,6 +50,10 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         return orjson.dumps(self.payload())
 
+    def reply_headers(self, request_id: str) -> dict[str, str]:
+        """The headers of this error's JSON reply (its own, such as Retry-After, included)."""
+        return {"Content-Type": "application/json", "x-request-id": request_id, **self.headers}
+
     def sse_event(self) -> bytes:
         return b"data: " + self.body() + b"\n\n"
 

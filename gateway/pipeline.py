@@ -17,9 +17,10 @@ from gateway.errors import (GatewayError, bad_request, error_from_event, model_n
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
                               charge_timeout, settle)
-from gateway.headers import trace_headers
+from gateway.headers import trace_headers, valid_request_id
+from gateway.limits import reservation_headers
 from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
-from gateway.request import RequestState
+from gateway.request import Exchange, RequestState
 from gateway.shape import classify, session_of
 
 if TYPE_CHECKING:  # the runtime imports this module's callers, never this module: no cycle at run time
@@ -51,6 +52,34 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
     if "stream_options" in body and stream is not True and body["stream_options"] is not None:
         raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     return body
+
+
+async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
+    """An API request: request id and API key first, then the pipeline (whose first step, reading the body,
+    raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
+    gets exactly one access-log line however it ends (and a refusal is counted there, as REJECTED)."""
+    headers = ex.headers
+    st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next(), ex, route)
+    status = 500
+    try:
+        st.principal = g.auth.authenticate(headers)
+        resp = await handle(g, st)
+        status = resp.status
+        return resp
+    except GatewayError as err:
+        status = err.status
+        headers = err.reply_headers(st.request_id)
+        # Where the request went (empty: no backend was tried) and why, as on every reply.
+        headers["x-shapegate-backend"] = st.backend
+        headers["x-shapegate-reason"] = st.reason or (err.code or "error")
+        if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
+            headers.update(reservation_headers(st.limit))
+        return ex.reply(status, headers, err.body())
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away first (noticed while waiting, or on writing to it)
+        raise
+    finally:
+        g.finish(st, status)
 
 
 async def handle(g: Gateway, st: RequestState) -> Any:

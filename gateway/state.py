@@ -8,13 +8,12 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from typing import AsyncIterator, Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import orjson
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
-from gateway.config import StateConfig
 from gateway.contracts import RequestShape
 from gateway.shape import CHARS_PER_TOKEN, session_key
 
@@ -308,21 +307,3 @@ async def sync_loop(index: AffinityIndex, store: StateStore, interval_s: float, 
                 await stop.wait()
         if not stop.is_set():
             await index.sync(store)
-
-
-@contextlib.asynccontextmanager
-async def shared_state(index: AffinityIndex | None, cfg: StateConfig) -> AsyncIterator[StateStore | None]:
-    """While the app runs: with `backend = "redis"`, sync the index through Redis in the background."""
-    if index is None or cfg.backend != "redis":
-        yield None
-        return
-    store = RedisStore.from_url(cfg.redis_url, cfg.key_prefix, cfg.affinity_ttl_s, cfg.redis_timeout_s)
-    stop = asyncio.Event()
-    task = asyncio.create_task(sync_loop(index, store, cfg.flush_interval_s, stop), name="state-sync")
-    try:
-        yield store
-    finally:
-        stop.set()
-        await task  # ends within one store round trip (each bounded by redis_timeout_s)
-        await index.sync(store)  # last batch; a store error is logged, never raised
-        await store.close()
