@@ -23,8 +23,9 @@ COMPILED = (
     "gateway/pipeline.py", "gateway/connection.py", "gateway/exchange.py", "gateway/relay.py",
     "gateway/shape.py", "gateway/runtime.py", "gateway/context.py", "gateway/admission.py",
     "gateway/failover.py", "gateway/request.py", "gateway/stats.py", "gateway/pool.py", "gateway/auth.py",
-    "gateway/request_head.py", "gateway/headers.py", "gateway/errors.py",
-    "backends/http1.py", "backends/http1_response.py",
+    "gateway/request_head.py", "gateway/headers.py", "gateway/errors.py", "gateway/front.py", "gateway/metrics.py",
+    "gateway/contracts.py", "gateway/health.py", "gateway/limits.py", "gateway/state.py", "gateway/experiments.py",
+    "backends/http1.py", "backends/http1_response.py", "backends/slots.py", "policies/shape.py",
 )
 PACKAGES = ("gateway", "backends", "policies")
 SKIP = shutil.ignore_patterns(".git", "__pycache__", "build", "*.so", "*.egg-info", ".pytest_cache")
