@@ -79,6 +79,9 @@ async def test_one_line_per_request_with_its_outcome(tmp_path):
     assert len(by_id) == len(lines) == 7  # exactly one line each, failovers included
     assert all(set(x) == FIELDS for x in lines)
     assert all(x["principal"] == "user" for x in lines)
+    times = [x[k] for x in lines for k in ("ts", "ttft_ms", "itl_ms", "e2e_ms") if x[k] is not None]
+    assert all(len(repr(t).partition(".")[2]) <= 3 for t in times)  # milliseconds to 3 decimals (microseconds)
+    assert all(abs(x["ts"] - time.time()) < 60 for x in lines)
 
     st = by_id["r-stream"]
     assert (st["status"], st["model"], st["class"], st["stream"]) == (200, "m1", "default", True)
