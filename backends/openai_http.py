@@ -155,9 +155,9 @@ class OpenAIHTTPBackend:
     # -- health and load -----------------------------------------------------------------------
     async def probe(self, timeout: float, deep: bool = True) -> ProbeResult:
         """The engine's health route, or with deep=False its cheap liveness route when it has one."""
-        liveness_path = self.liveness_path
-        liveness = not deep and liveness_path is not None
-        path = liveness_path if not deep and liveness_path is not None else self.health_path
+        liveness_path = None if deep else self.liveness_path
+        liveness = liveness_path is not None
+        path = liveness_path if liveness_path is not None else self.health_path
         try:
             status, body = await self._get(path, timeout)
         except aiohttp.ClientConnectorError as e:
