@@ -141,6 +141,7 @@ class LeanCounterChild:
 
 CounterChild = LeanCounterChild | Counter  # a label set of a counter, lean or the library's (several workers)
 
+
 class LeanCounter:
     """A counter without prometheus_client's per-increment lock, for the same reason as LeanHistogram."""
 
