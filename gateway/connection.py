@@ -58,7 +58,10 @@ class FrontConnection(asyncio.Protocol):
         self.phase = IDLE
         self.deadline = 0.0  # when the current wait ends (0: no limit)
         self.ex: FrontExchange | None = None
+        # One task serves the connection's requests in turn (a task per request costs more than the request's
+        # routing); between requests it waits on next_waiter.
         self.task: asyncio.Task | None = None
+        self.next_waiter: asyncio.Future | None = None
         self.body_left = 0  # bytes of a Content-Length body still to come
         self.body_waiter: asyncio.Future | None = None
         self.drain_waiter: asyncio.Future | None = None
@@ -84,7 +87,9 @@ class FrontConnection(asyncio.Protocol):
         self.closed = True
         self.front.forget(self)
         if self.task is not None and not self.task.done():
-            self.task.cancel()  # the client left: the pipeline aborts the engine's request
+            # The client left: the pipeline aborts the engine's request (or a request read but not yet taken up
+            # is never sent), and a task waiting for the next request ends.
+            self.task.cancel()
         gone = ConnectionResetError("the client closed the connection")
         for w in (self.body_waiter, self.drain_waiter):
             if w is not None and not w.done():
@@ -305,7 +310,10 @@ class FrontConnection(asyncio.Protocol):
         else:
             self.phase = BODY
             self.deadline = self.loop.time() + cfg.body_timeout_s
-        self.task = self.loop.create_task(self._serve(ex))
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve_all())
+        else:  # waiting for this request, or (a pipelined one) about to take it up once the one before is done
+            self._wake_task()
         return True
 
     async def read_body(self, ex: FrontExchange) -> None:
@@ -323,7 +331,29 @@ class FrontConnection(asyncio.Protocol):
             raise ex.error
 
     # -- serving ---------------------------------------------------------------------------------
-    async def _serve(self, ex: FrontExchange) -> None:
+    async def _serve_all(self) -> None:
+        """Serve the connection's requests one after another, each once its head is read; end with the connection."""
+        while True:
+            ex = self.ex
+            if ex is not None:
+                if not await self._serve(ex):
+                    return
+            elif self.closed or self.phase == LINGER:
+                return
+            else:
+                self.next_waiter = w = self.loop.create_future()
+                try:
+                    await w
+                finally:
+                    self.next_waiter = None
+
+    def _wake_task(self) -> None:
+        w = self.next_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _serve(self, ex: FrontExchange) -> bool:
+        """One request, answered however it ends; whether the connection then stays open for another."""
         g = self.front.g
         try:
             if ex.route is not None and ex.method == "POST":
@@ -339,18 +369,19 @@ class FrontConnection(asyncio.Protocol):
         except (asyncio.CancelledError, ConnectionError):
             if self.phase != LINGER:  # (refused by the front itself: closing already)
                 self._close()  # the client left (or the shutdown cut it)
-            return
+            return False
         except Exception:
             log.exception("unexpected error on %s", ex.route or "an inner route")
             if not ex.started and not self.closed:
                 ex.keep_alive = False
                 ex.reply(500, {}, INTERNAL_ERROR)
             self._close()
-            return
+            return False
         self._finish(ex)
+        return not self.closed and self.phase != LINGER
 
     def _finish(self, ex: FrontExchange) -> None:
-        self.ex = self.task = None
+        self.ex = None
         if not ex.complete:
             self._linger()  # the client may still be sending the body nobody read
             return
@@ -383,8 +414,8 @@ class FrontConnection(asyncio.Protocol):
         if ex is not None and ex.started:
             self._close()
             return
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        if ex is not None and self.task is not None and not self.task.done():
+            self.task.cancel()  # the request it is reading is answered here instead
         if not self.closed:
             self.transport.write(error_reply(err, self.front.g.request_ids.next(), head_only=self.method == "HEAD"))
         self.front.g.metrics.reject(err.status)
@@ -398,6 +429,7 @@ class FrontConnection(asyncio.Protocol):
         self.phase = LINGER
         self.deadline = self.loop.time() + LINGER_S
         self.buf.clear()
+        self._wake_task()  # no request follows
         self.front.lingering(self)
         if self.read_paused:
             self.read_paused = False

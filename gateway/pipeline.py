@@ -342,7 +342,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     resp = await ex.open_stream(g.reply_headers(st, reply.headers), st.limit_lines)
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
                      max_event=g.cfg.upstream.max_event_bytes)
-    task = asyncio.current_task()  # the handler's own task (request.task is the connection's)
+    task = asyncio.current_task()  # the connection's serving task
     assert task is not None  # always within one
     g.streams.add(task)
     tap = st.tap

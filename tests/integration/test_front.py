@@ -291,3 +291,39 @@ async def test_engine_breaking_after_done_leaves_one_clean_ending():
     finally:
         await gw.stop()
         server.close()
+
+
+async def until_done(task: asyncio.Task) -> bool:
+    for _ in range(500):  # (5 s at most: the task ends in the loop turn after its connection)
+        if task.done():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("ending", ["idle", "client closes", "malformed next"])
+async def test_one_task_serves_a_connection_and_ends_with_it(engines, ending):
+    cfg = gateway_config([{"id": "e", "engine": "vllm", "url": engines[0].url, "models": ["m2"]}],
+                         server={"access_log": False, "keepalive_s": 0.3})
+    gw = await start_gateway(cfg)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(post())
+        assert (await read_response(reader))[0] == 200
+        (c,) = gw.front.conns
+        task = c.task
+        assert task is not None and not task.done()  # waiting for the next request
+        writer.write(post())
+        assert (await read_response(reader))[0] == 200
+        assert c.task is task  # the same task took the second request
+        if ending == "idle":
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        elif ending == "client closes":
+            writer.close()
+        else:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+            assert (await read_response(reader))[0] == 400
+        assert await until_done(task)  # (after a refusal, before the connection closes: no request follows)
+        writer.close()
+    finally:
+        await gw.stop()
