@@ -49,6 +49,11 @@ class BackendState:
         self.cfg = cfg
         self.models = cfg.models  # public name -> the engine's own name
         self.classes = frozenset(cfg.classes) if cfg.classes is not None else None
+        # Read for every request: copied out of the pydantic model, each of whose reads costs a few hundred
+        # instructions (its __getattr__ hook).
+        self.max_context = cfg.max_context
+        self.interactive = cfg.interactive
+        self.weight = cfg.weight
 
     def apply_settings(self, gcfg: GatewayConfig) -> None:
         """The gateway-wide settings a backend works by (at creation, and again on each reload)."""
@@ -66,12 +71,12 @@ class BackendState:
     def window(self, model: str) -> int | None:
         """Tokens one request for `model` may hold here: the configured max_context, else what the engine
         said, else unknown (None: any request may be sent)."""
-        return self.cfg.max_context or self.windows.get(model)
+        return self.max_context or self.windows.get(model)
 
     async def discover_windows(self, timeout: float) -> None:
         """Ask the engine its context window for each model it serves (at readiness: a restart may change it)."""
         ask = getattr(self.adapter, "context_window", None)
-        if ask is None or self.cfg.max_context:
+        if ask is None or self.max_context:
             return
         for public, native in self.models.items():
             try:
@@ -96,7 +101,7 @@ class BackendState:
 
     def view(self, now: float) -> BackendView:
         return BackendView(self.id, self.engine, self.in_flight, self.latency.estimate(), self.fresh_load(now),
-                           self.classes, self.cfg.interactive, self.cfg.weight)
+                           self.classes, self.interactive, self.weight)
 
     async def warm_up(self, timeout: float) -> bool:
         model = next(iter(self.models.values()))

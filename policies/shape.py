@@ -26,12 +26,30 @@ def idle_slot(b: BackendView, assumed_slots: int) -> bool:
     return b.in_flight < assumed_slots
 
 
+class Settings:
+    """Params as plain attributes: a request reads a dozen, and each read of a pydantic model's field goes
+    through its __getattr__ hook (a few hundred instructions)."""
+
+    def __init__(self, p: Params) -> None:
+        self.herd_weight = p.herd_weight
+        self.wait_weight = p.wait_weight
+        self.max_itl_s = p.max_itl_s
+        self.explore_samples = p.explore_samples
+        self.explore_in_flight = p.explore_in_flight
+        self.explore_max_output = p.explore_max_output
+        self.reserve_interactive_slots = p.reserve_interactive_slots
+        self.session_memory_s = p.session_memory_s
+        self.kv_high = p.kv_high
+        self.assumed_slots = p.assumed_slots
+        self.size_alpha = p.size_alpha
+
+
 class Shape:
     name = "shape"
     needs_prefix = True
 
     def __init__(self, params: Params) -> None:
-        self.p = params
+        self.p = Settings(params)
         # Running mean (prompt, output) tokens of the requests this policy sent to each backend. Known at
         # dispatch, so unlike the mean of finished requests it is not biased towards the short ones.
         self._sizes: dict[str, tuple[float, float]] = {}

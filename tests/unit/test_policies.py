@@ -259,3 +259,15 @@ def test_shape_keeps_a_slot_per_recent_session_on_an_interactive_backend():
     assert ids(p.rank(at(20.0))) == ["vllm", "llama"]
     assert ids(p.rank(at(69.0)))[0] == "vllm"  # s1 and s2 were seen at 10 s: still within 60 s at 69 s...
     assert ids(p.rank(at(71.0)))[0] == "llama"  # ...and forgotten after 70 s
+
+
+def test_shape_policy_reads_every_setting_it_was_given():
+    # The policy copies its settings out of the pydantic model (cheaper to read): none may be left behind.
+    values = {"herd_weight": 0.25, "wait_weight": 2.5, "max_itl_s": 0.07, "explore_samples": 3, "explore_in_flight": 2,
+              "explore_max_output": 100, "reserve_interactive_slots": 2, "session_memory_s": 30.0, "kv_high": 0.9,
+              "assumed_slots": 3, "size_alpha": 0.2}
+    assert set(values) == set(shape.Params.model_fields)  # a new setting: add it here (and to shape.Settings)
+    params = shape.Params(**values)
+    assert all(values[k] != v for k, v in shape.Params().model_dump().items())  # each differs from its default
+    settings = shape.Shape(params).p
+    assert {name: getattr(settings, name) for name in values} == values
