@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 import httptools
 
 from gateway.pipeline import serve_api
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, raised_at
 from gateway.exchange import INTERNAL_ERROR, FrontExchange, error_reply, too_large
 from gateway.headers import valid_request_id
 from gateway.request_head import check_head, refusal, request_headers
@@ -87,9 +87,7 @@ class FrontConnection(asyncio.Protocol):
         self.closed = True
         self.front.forget(self)
         if self.task is not None and not self.task.done():
-            # The client left: the pipeline aborts the engine's request (or a request read but not yet taken up
-            # is never sent), and a task waiting for the next request ends.
-            self.task.cancel()
+            self.task.cancel()  # the client left: the engine's request aborts (one not yet taken up never goes)
         gone = ConnectionResetError("the client closed the connection")
         for w in (self.body_waiter, self.drain_waiter):
             if w is not None and not w.done():
@@ -126,7 +124,7 @@ class FrontConnection(asyncio.Protocol):
         try:
             self._advance()
         except Exception as e:  # never a traceback from here: it could quote what the client sent
-            log.error("the front failed on a request: %s at %s", type(e).__name__, _where(e))
+            log.error("the front failed on a request: %s at %s", type(e).__name__, raised_at(e))
             self._refuse(refusal(500, "The gateway failed to read the request.", "internal_error"))
         if self.phase in (HEAD, BODY):
             self.front.reading(self)  # part of a request is still to come
@@ -494,11 +492,3 @@ class FrontConnection(asyncio.Protocol):
             finally:
                 self.drain_waiter = None
                 self.deadline = 0.0
-
-
-def _where(e: BaseException) -> str:
-    """Where an exception was raised (file:line), for a log line that quotes nothing of a request."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"

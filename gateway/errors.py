@@ -170,3 +170,11 @@ def error_from_event(payload: Mapping[str, Any]) -> GatewayError:
     code = err.get("code")
     status = code if isinstance(code, int) and 400 <= code < 600 else 500
     return normalize_engine_error(status, orjson.dumps({"error": err}))
+
+
+def raised_at(e: BaseException) -> str:
+    """Where an exception was raised (file:line), for a log line that quotes nothing of a request."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
