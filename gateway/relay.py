@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from time import perf_counter
 from typing import Any
 
@@ -314,64 +315,18 @@ class SSERelay:
         return ev
 
 
-def _object_end(data: bytes, i: int) -> int:
-    """Past the closing brace of the JSON object that opens at data[i], or -1 when it does not close."""
-    depth, n = 0, len(data)
-    in_string = escaped = False
-    while i < n:
-        c = data[i]
-        i += 1
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 92:
-                escaped = True
-            elif c == 34:
-                in_string = False
-        elif c == 34:
-            in_string = True
-        elif c == 123:
-            depth += 1
-        elif c == 125:
-            depth -= 1
-            if depth == 0:
-                return i
-    return -1
-
-
-def _object_at(data: bytes, start: int, end: int) -> dict | None:
-    """The JSON object data[start:end] (end -1: none), or None when it is not one."""
-    if end <= start:
-        return None
-    try:
-        value = orjson.loads(data[start:end])
-    except orjson.JSONDecodeError:
-        return None
-    return value if type(value) is dict else None
+# One regex pass from the "usage" key on: it costs less than a find per count name, compiled or not.
+_USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
 
 
 def usage_of(data: bytes) -> dict | None:
-    """Token counts from a non-streamed reply: only its last "usage" object is parsed (the reply may be large)."""
+    """Token counts from a non-streamed reply without parsing the whole body (it may be large)."""
     i = data.rfind(b'"usage"')
     if i < 0:
         return None
-    j = _skip_space(data, i + 7)
-    if j >= len(data) or data[j] != 58:  # a colon: "usage" as a key, not a value
+    found: dict[str, Any] = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
+    if not found:
         return None
-    j = _skip_space(data, j + 1)
-    if j >= len(data) or data[j] != 123:  # an object (null: no counts)
-        return None
-    usage = _object_at(data, j, _object_end(data, j))
-    if usage is None:
-        return None
-    found: dict[str, Any] = {}
-    for key in ("prompt_tokens", "completion_tokens"):
-        v = usage.get(key)
-        if type(v) is int and v >= 0:  # (not a bool, a float or a string: a count is what int() is sure to take)
-            found[key] = v
-    details = usage.get("prompt_tokens_details")
-    if type(details) is dict:
-        cached = details.get("cached_tokens")
-        if type(cached) is int and cached >= 0:
-            found["prompt_tokens_details"] = {"cached_tokens": cached}
-    return found or None
+    if "cached_tokens" in found:
+        found["prompt_tokens_details"] = {"cached_tokens": found.pop("cached_tokens")}
+    return found
