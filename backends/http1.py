@@ -6,7 +6,7 @@ import asyncio
 import socket
 import ssl as ssl_mod
 from collections import deque
-from typing import Awaitable, Callable, Iterable, cast
+from typing import Awaitable, Callable, Final, Iterable, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -16,10 +16,10 @@ from backends.slots import Slots
 from gateway.contracts import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamProtocolError
 
 # An engine's reply head: larger, or with more header lines, is a protocol error.
-MAX_HEAD = 64 * 1024
-FIRST_PART = 4096  # of a large first read, parsed before the rest (Connection.data_received)
-MAX_HEADERS = 100
-MAX_INTERIM = 8  # 1xx replies before the real one
+MAX_HEAD: Final = 64 * 1024
+FIRST_PART: Final = 4096  # of a large first read, parsed before the rest (Connection.data_received)
+MAX_HEADERS: Final = 100
+MAX_INTERIM: Final = 8  # 1xx replies before the real one
 
 Headers = dict[str, str] | Iterable[tuple[str, str]]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Final
 
 from gateway.contracts import ReplyTooLarge
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from backends.http1 import Connection
 
 # Pause reading from an engine when this much is buffered for a slow client.
-HIGH_WATER = 256 * 1024
+HIGH_WATER: Final = 256 * 1024
 
 
 class Response:

@@ -8,7 +8,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gateway.config import AuthConfig, KeyLimits
 from gateway.errors import forbidden, unauthorized
@@ -24,7 +24,7 @@ class Principal:
     limits: KeyLimits | None = None  # the key's own limits; None: the [limits] defaults
 
 
-ANONYMOUS = Principal("anonymous", admin=True)
+ANONYMOUS: Final = Principal("anonymous", admin=True)
 
 
 def hash_key(key: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
@@ -21,16 +21,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("shapegate")
 
 # POST on these paths runs the pipeline; every other request is served by aiohttp's routes (gateway/inner.py).
-API_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
-PIPELINED_HIGH = 1 << 20  # bytes of later requests buffered before reading pauses
+API_ROUTES: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+PIPELINED_HIGH: Final = 1 << 20  # bytes of later requests buffered before reading pauses
 # What a connection is doing. IDLE: waiting for a request's first byte; HEAD, BODY: reading one; SERVING: the
 # request is read and its reply under way (later requests wait in the buffer); DRAIN: the reply is written
 # but the client has not taken it yet; LINGER: the last reply is written and the connection is closing.
-IDLE, HEAD, BODY, SERVING, DRAIN, LINGER = range(6)
+IDLE: Final = 0
+HEAD: Final = 1
+BODY: Final = 2
+SERVING: Final = 3
+DRAIN: Final = 4
+LINGER: Final = 5
 # After a reply that ends a connection while the client may still be sending (a refused or unread body),
 # what it sends is read and dropped this long, so that closing does not reset the connection (and the
 # reply with it) before the client has read it.
-LINGER_S = 2.0
+LINGER_S: Final = 2.0
 
 
 class _StopParsing(Exception):
@@ -48,7 +53,7 @@ class FrontConnection(asyncio.Protocol):
 
     def __init__(self, front: Front) -> None:
         self.front = front
-        self.cfg = front.cfg  # the [server] settings, taken afresh for each request (a reload applies)
+        self.cfg = front.cfg  # the settings read per request, taken afresh for each one (a reload applies)
         self.loop = front.loop
         # Set by connection_made, which the event loop calls before anything else.
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Final
 
 from gateway.contracts import RequestShape
 from gateway.errors import GatewayError, no_backend
@@ -12,13 +13,15 @@ from gateway.errors import GatewayError, no_backend
 # lower. Per model the gateway keeps a high and a low bound of true/estimated, learned from engines' usage
 # figures: a request is sent where it fits even at the high bound, and refused outright only when it does
 # not fit the largest window even at the low bound.
-START_HIGH, START_LOW = 1.3, 0.5
-FLOOR_HIGH, CEIL_LOW = 1.0, 1.0  # the bounds never cross the estimate itself
-MARGIN = 1.05  # a bound sits this far past the ratio that moved it
-EASE = 0.05  # how fast a bound drifts back towards recent ratios (it jumps at once towards a worse one)
+START_HIGH: Final = 1.3
+START_LOW: Final = 0.5
+FLOOR_HIGH: Final = 1.0  # the bounds never cross the estimate itself
+CEIL_LOW: Final = 1.0
+MARGIN: Final = 1.05  # a bound sits this far past the ratio that moved it
+EASE: Final = 0.05  # how fast a bound drifts back towards recent ratios (it jumps at once towards a worse one)
 # How engines word the prompt's size in their context errors, and whether the figure is exact: vLLM (older,
 # then 0.32, which stops counting past the limit), SGLang's two messages, OpenAI's own.
-_COUNTS = ((re.compile(r"has (\d+) input tokens"), True), (re.compile(r"contains at least (\d+) input"), False),
+_COUNTS: Final = ((re.compile(r"has (\d+) input tokens"), True), (re.compile(r"contains at least (\d+) input"), False),
            (re.compile(r"The input \((\d+) tokens\)"), True), (re.compile(r"(\d+) tokens from the input"), True),
            (re.compile(r"resulted in (\d+) tokens"), True))
 

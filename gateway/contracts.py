@@ -3,40 +3,70 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, NamedTuple, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Final, Mapping, Protocol
 
 # Request classes: which latency matters most for a request.
-LONG_OUTPUT = "long_output"
-LONG_PROMPT = "long_prompt"
-INTERACTIVE = "interactive"
-DEFAULT = "default"
-CLASSES = (LONG_OUTPUT, LONG_PROMPT, INTERACTIVE, DEFAULT)
+LONG_OUTPUT: Final = "long_output"
+LONG_PROMPT: Final = "long_prompt"
+INTERACTIVE: Final = "interactive"
+DEFAULT: Final = "default"
+CLASSES: Final = (LONG_OUTPUT, LONG_PROMPT, INTERACTIVE, DEFAULT)
 
 # The engine path of each public route.
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+PATHS: Final = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 # Health states of a backend.
-STARTING = "starting"
-READY = "ready"
-UNHEALTHY = "unhealthy"
-DRAINING = "draining"
+STARTING: Final = "starting"
+READY: Final = "ready"
+UNHEALTHY: Final = "unhealthy"
+DRAINING: Final = "draining"
 
 
-# Records made for every request are NamedTuples: immutable like the frozen dataclasses below, and
-# built at well under half their cost (a frozen dataclass sets each field through object.__setattr__).
-class RequestShape(NamedTuple):
+class Record:
+    """Base of the records made for every request: fixed fields, read-only (Final), a readable repr.
+
+    Plain classes, not NamedTuples or dataclasses: compiled (deploy/compile.py) each is a C struct, built in a few
+    hundred instructions and read field by field at the cost of a pointer (a NamedTuple's Python __new__ costs
+    several thousand a record, a frozen dataclass's __init__ more). Compared by identity, as they are used.
+    """
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self.FIELDS)})"
+
+
+class RequestShape(Record):
     """What the gateway knows about a request before routing it."""
 
-    model: str
-    route: str  # "chat" | "completions" | "embeddings"
-    stream: bool
-    prompt_tokens: int  # estimate, no tokenizer
-    output_tokens: int  # max_tokens, or a learned expectation
-    klass: str
-    principal: str = "anonymous"
-    session_id: str | None = None
-    prefix_hashes: tuple[int, ...] = ()  # chained block hashes of the prompt, in order
-    max_output: int | None = None  # the output cap the client asked for, if any
+    FIELDS = ("model", "route", "stream", "prompt_tokens", "output_tokens", "klass", "principal", "session_id",
+              "prefix_hashes", "max_output")
+    __slots__ = FIELDS
+    model: Final[str]
+    route: Final[str]  # "chat" | "completions" | "embeddings"
+    stream: Final[bool]
+    prompt_tokens: Final[int]  # estimate, no tokenizer
+    output_tokens: Final[int]  # max_tokens, or a learned expectation
+    klass: Final[str]
+    principal: Final[str]
+    session_id: Final[str | None]
+    prefix_hashes: Final[tuple[int, ...]]  # chained block hashes of the prompt, in order
+    max_output: Final[int | None]  # the output cap the client asked for, if any
+
+    def __init__(self, model: str, route: str, stream: bool, prompt_tokens: int, output_tokens: int, klass: str,
+                 principal: str = "anonymous", session_id: str | None = None, prefix_hashes: tuple[int, ...] = (),
+                 max_output: int | None = None) -> None:
+        self.model = model
+        self.route = route
+        self.stream = stream
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.klass = klass
+        self.principal = principal
+        self.session_id = session_id
+        self.prefix_hashes = prefix_hashes
+        self.max_output = max_output
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,56 +108,111 @@ class LoadSample:
     predicted_tps: float | None = None
 
 
-class BackendView(NamedTuple):
+class BackendView(Record):
     """A snapshot of one candidate backend, taken for one routing decision."""
 
-    id: str
-    engine: str
-    in_flight: int
-    latency: LatencyEstimate
-    load: LoadSample | None = None  # None when stale or never scraped
-    classes: frozenset[str] | None = None  # None: takes every class
-    interactive: bool = False
-    weight: float = 1.0
+    FIELDS = ("id", "engine", "in_flight", "latency", "load", "classes", "interactive", "weight")
+    __slots__ = FIELDS
+    id: Final[str]
+    engine: Final[str]
+    in_flight: Final[int]
+    latency: Final[LatencyEstimate]
+    load: Final[LoadSample | None]  # None when stale or never scraped
+    classes: Final[frozenset[str] | None]  # None: takes every class
+    interactive: Final[bool]
+    weight: Final[float]
+
+    def __init__(self, id: str, engine: str, in_flight: int, latency: LatencyEstimate, load: LoadSample | None = None,
+                 classes: frozenset[str] | None = None, interactive: bool = False, weight: float = 1.0) -> None:
+        self.id = id
+        self.engine = engine
+        self.in_flight = in_flight
+        self.latency = latency
+        self.load = load
+        self.classes = classes
+        self.interactive = interactive
+        self.weight = weight
 
 
-class RouteInput(NamedTuple):
-    shape: RequestShape
-    candidates: tuple[BackendView, ...]
-    affinity: str | None = None  # backend id that last served this session or prefix
-    now: float = 0.0
-    affinity_tokens: int = 0  # prompt tokens that backend likely still holds in its prefix cache
+class RouteInput(Record):
+    FIELDS = ("shape", "candidates", "affinity", "now", "affinity_tokens")
+    __slots__ = FIELDS
+    shape: Final[RequestShape]
+    candidates: Final[tuple[BackendView, ...]]
+    affinity: Final[str | None]  # backend id that last served this session or prefix
+    now: Final[float]
+    affinity_tokens: Final[int]  # prompt tokens that backend likely still holds in its prefix cache
+
+    def __init__(self, shape: RequestShape, candidates: tuple[BackendView, ...], affinity: str | None = None,
+                 now: float = 0.0, affinity_tokens: int = 0) -> None:
+        self.shape = shape
+        self.candidates = candidates
+        self.affinity = affinity
+        self.now = now
+        self.affinity_tokens = affinity_tokens
+
+    def with_candidates(self, candidates: tuple[BackendView, ...]) -> RouteInput:
+        return RouteInput(self.shape, candidates, self.affinity, self.now, self.affinity_tokens)
 
 
-class Decision(NamedTuple):
+class Decision(Record):
     """A policy's answer: candidates best first, and why the first one won."""
 
-    ranked: tuple[BackendView, ...]
-    reason: str
+    FIELDS = ("ranked", "reason")
+    __slots__ = FIELDS
+    ranked: Final[tuple[BackendView, ...]]
+    reason: Final[str]
+
+    def __init__(self, ranked: tuple[BackendView, ...], reason: str) -> None:
+        self.ranked = ranked
+        self.reason = reason
 
 
 # How one attempt on a backend ended, for every figure an operator reads: served; the client went away; the
 # request itself was at fault (a 4xx it caused); the engine failed (5xx, reset, timeout, mid-stream failure).
 # A request refused before any backend was tried is REJECTED (admission, no backend, rate limits).
-OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR, REJECTED = "ok", "client_left", "client_error", "engine_error", "rejected"
-RESULTS = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR, REJECTED)
+OK: Final = "ok"
+CLIENT_LEFT: Final = "client_left"
+CLIENT_ERROR: Final = "client_error"
+ENGINE_ERROR: Final = "engine_error"
+REJECTED: Final = "rejected"
+RESULTS: Final = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR, REJECTED)
 
 
-class Outcome(NamedTuple):
+class Outcome(Record):
     """What happened to one request on one backend, fed back to policies and stats."""
 
-    backend: str
-    shape: RequestShape
-    ok: bool
-    status: int
-    ttft: float | None = None
-    itl: float | None = None
-    e2e: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    running_at_start: int = 0
-    result: str = OK  # one of RESULTS but REJECTED
+    FIELDS = ("backend", "shape", "ok", "status", "ttft", "itl", "e2e", "prompt_tokens", "completion_tokens",
+              "cached_tokens", "running_at_start", "result")
+    __slots__ = FIELDS
+    backend: Final[str]
+    shape: Final[RequestShape]
+    ok: Final[bool]
+    status: Final[int]
+    ttft: Final[float | None]
+    itl: Final[float | None]
+    e2e: Final[float]
+    prompt_tokens: Final[int]
+    completion_tokens: Final[int]
+    cached_tokens: Final[int]
+    running_at_start: Final[int]
+    result: Final[str]  # one of RESULTS but REJECTED
+
+    def __init__(self, backend: str, shape: RequestShape, ok: bool, status: int, ttft: float | None = None,
+                 itl: float | None = None, e2e: float = 0.0, prompt_tokens: int = 0, completion_tokens: int = 0,
+                 cached_tokens: int = 0, running_at_start: int = 0, result: str = OK) -> None:
+        self.backend = backend
+        self.shape = shape
+        self.ok = ok
+        self.status = status
+        self.ttft = ttft
+        self.itl = itl
+        self.e2e = e2e
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
+        self.running_at_start = running_at_start
+        self.result = result
 
 
 class Policy(Protocol):
@@ -138,13 +223,21 @@ class Policy(Protocol):
     def rank(self, inp: RouteInput) -> Decision: ...
 
 
-class UpstreamCall(NamedTuple):
+class UpstreamCall(Record):
     """One HTTP call to a backend: the body is already in the engine's dialect."""
 
-    path: str
-    body: bytes
-    headers: Mapping[str, str]
-    stream: bool
+    FIELDS = ("path", "body", "headers", "stream")
+    __slots__ = FIELDS
+    path: Final[str]
+    body: Final[bytes]
+    headers: Final[Mapping[str, str]]
+    stream: Final[bool]
+
+    def __init__(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool) -> None:
+        self.path = path
+        self.body = body
+        self.headers = headers
+        self.stream = stream
 
 
 class UpstreamReply(Protocol):

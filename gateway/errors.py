@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 
 import orjson
 
-_TYPE_BY_STATUS = {
+_TYPE_BY_STATUS: Final = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -75,7 +75,7 @@ def model_not_found(model: str) -> GatewayError:
 
 
 # The openai client gives up on retrying altogether when Retry-After is longer than this.
-MAX_RETRY_AFTER_S = 120.0
+MAX_RETRY_AFTER_S: Final = 120.0
 
 
 def retry_after_header(seconds: float) -> str:
@@ -119,7 +119,7 @@ def upstream_timeout(detail: str) -> GatewayError:
     return GatewayError(504, f"The upstream engine timed out: {detail}.", code="upstream_timeout")
 
 
-_CONTEXT_MARKERS = (
+_CONTEXT_MARKERS: Final = (
     "maximum context length",
     "exceeds the available context size",
     "longer than the model's context length",

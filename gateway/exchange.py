@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Final, Iterable, Mapping
 
 import orjson
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 Headers = dict[str, str] | Iterable[tuple[str, str]]
 # Bodies larger than this go out in a write of their own rather than copied behind the head.
-_JOIN_LIMIT = 64 * 1024
+_JOIN_LIMIT: Final = 64 * 1024
 
 
 def _status_line(status: int) -> bytes:
@@ -25,7 +25,7 @@ def _status_line(status: int) -> bytes:
     return f"HTTP/1.1 {status} {phrase}\r\n".encode()
 
 
-STATUS_LINES = {s.value: _status_line(s.value) for s in HTTPStatus}
+STATUS_LINES: Final = {s.value: _status_line(s.value) for s in HTTPStatus}
 
 
 def head(status: int, headers: Headers, extra: str) -> bytes:
@@ -192,5 +192,5 @@ class FrontStream:
         await self.ex.conn.send(self._frame(data, True))
 
 
-INTERNAL_ERROR = orjson.dumps({"error": {"message": "The gateway failed to process the request.",
+INTERNAL_ERROR: Final = orjson.dumps({"error": {"message": "The gateway failed to process the request.",
                                          "type": "server_error", "param": None, "code": "internal_error"}})

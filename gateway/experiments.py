@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, Iterable, Mapping
 
 from gateway.config_experiments import ExperimentConfig
 from gateway.contracts import ENGINE_ERROR, OK, Decision, Outcome, Policy, RequestShape, RouteInput
@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from gateway.pool import BackendState
     from gateway.request import RequestState
 
-ALL = "all"  # the class every request also counts in: a verdict comes sooner on the whole traffic
-PRIMARY = "primary"  # a shadow experiment's control: the model served as usual
-ARM_HEADER = "x-shapegate-arm"
+ALL: Final = "all"  # the class every request also counts in: a verdict comes sooner on the whole traffic
+PRIMARY: Final = "primary"  # a shadow experiment's control: the model served as usual
+ARM_HEADER: Final = "x-shapegate-arm"
 
 
 def bucket(experiment: str, subject: str) -> float:
@@ -393,7 +393,7 @@ def rank_arm_first(policy: Policy, inp: RouteInput, arm: Arm) -> Decision:
     if not inside:
         d = policy.rank(inp)
         return Decision(d.ranked, f"{d.reason}; arm {arm.name} unavailable")
-    d = policy.rank(inp._replace(candidates=inside))
+    d = policy.rank(inp.with_candidates(inside))
     if not outside:
         return Decision(d.ranked, f"{d.reason}; arm {arm.name}")
-    return Decision(d.ranked + policy.rank(inp._replace(candidates=outside)).ranked, f"{d.reason}; arm {arm.name}")
+    return Decision(d.ranked + policy.rank(inp.with_candidates(outside)).ranked, f"{d.reason}; arm {arm.name}")

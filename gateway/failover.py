@@ -5,7 +5,7 @@ from __future__ import annotations
 import email.utils
 import math
 import time
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Final, Mapping
 
 import aiohttp
 
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from gateway.pool import BackendState
 
 # Nothing listens: the process is down or not up yet. The breaker opens at once.
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, UpstreamConnectError)
+CONNECT_ERRORS: Final = (aiohttp.ClientConnectorError, UpstreamConnectError)
 # Anything else that goes wrong on the wire to an engine: resets, closes, timeouts.
-TRANSPORT_ERRORS = (aiohttp.ClientError, UpstreamError, OSError, TimeoutError)
+TRANSPORT_ERRORS: Final = (aiohttp.ClientError, UpstreamError, OSError, TimeoutError)
 
 
 class Retryable(Exception):

@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config import ServerConfig
 from gateway.connection import API_ROUTES, IDLE, LINGER, FrontConnection
+from gateway.hot_settings import HotSettings
 from gateway.inner import InnerRoutes
 from gateway.request import GATEWAY
 
@@ -53,8 +53,8 @@ class Front:
         self._date = ("", -1)
 
     @property
-    def cfg(self) -> ServerConfig:
-        return self.g.cfg.server  # read on use: a reload applies to the next wait
+    def cfg(self) -> HotSettings:
+        return self.g.hot  # read on use: a reload applies to the next wait
 
     async def start(self, host: str, port: int, reuse_port: bool = False, backlog: int = 1024) -> None:
         self._server = await self.loop.create_server(lambda: FrontConnection(self), host, port,

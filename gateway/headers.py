@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Final, Mapping
 
 # A request id the gateway accepts from a client: a conservative character set (ids, UUIDs, base64) and length,
 # so it can be reflected in a reply head, forwarded to an engine and logged without quoting.
-REQUEST_ID_MAX = 200
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % REQUEST_ID_MAX)
+REQUEST_ID_MAX: Final = 200
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % REQUEST_ID_MAX)
 
 # W3C Trace Context (https://www.w3.org/TR/trace-context/): version 00 is exactly 55 characters; a later version
 # may append fields after a dash, which a version-00 reader ignores but still forwards.
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[\x21-\x7e]*)?")
-_TRACESTATE_KEY = r"(?:[a-z][a-z0-9_*/-]{0,255}|[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13})"
-_TRACESTATE_VALUE = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
-_TRACESTATE_MEMBER = re.compile(f"{_TRACESTATE_KEY}={_TRACESTATE_VALUE}")
-TRACESTATE_MAX_MEMBERS = 32
-TRACESTATE_MAX_LEN = 512
+_TRACEPARENT: Final = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[\x21-\x7e]*)?")
+_TRACESTATE_KEY: Final = r"(?:[a-z][a-z0-9_*/-]{0,255}|[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13})"
+_TRACESTATE_VALUE: Final = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+_TRACESTATE_MEMBER: Final = re.compile(f"{_TRACESTATE_KEY}={_TRACESTATE_VALUE}")
+TRACESTATE_MAX_MEMBERS: Final = 32
+TRACESTATE_MAX_LEN: Final = 512
 
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TOKEN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def valid_request_id(value: str | None) -> str | None:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable
+from typing import Callable, Final
 
 import aiohttp
 
@@ -16,11 +16,11 @@ from gateway.probe import start_verifying, stop_verifying
 
 log = logging.getLogger("shapegate.health")
 
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half_open"
 # How often the supervisors look for backends added or removed by a reload.
-SUPERVISE_S = 0.25
+SUPERVISE_S: Final = 0.25
 
 
 class Breaker:

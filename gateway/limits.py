@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import floor
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from gateway.config import LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_LEFT, OK, Outcome
@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 # numbers per bucket (level and when it was taken), small enough for one atomic Redis script per request. A
 # request draws from every bucket it needs or from none; costs and a full bucket are whole numbers, so the
 # check holds exactly at the boundary (rpm = 60: sixty requests at once pass, the sixty-first does not).
-REQUESTS, TOKENS = "requests", "tokens"
-KINDS = (REQUESTS, TOKENS)
-MAX_PLANS = 4096  # plans cached, by key or by key and model (past this, a plan is built per request)
+REQUESTS: Final = "requests"
+TOKENS: Final = "tokens"
+KINDS: Final = (REQUESTS, TOKENS)
+MAX_PLANS: Final = 4096  # plans cached, by key or by key and model (past this, a plan is built per request)
 Clock = Callable[[], float]
-CHARGED = (OK, CLIENT_LEFT)  # results whose usage a key is charged: served, or cut short by its client
+CHARGED: Final = (OK, CLIENT_LEFT)  # results whose usage a key is charged: served, or cut short by its client
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +112,9 @@ def duration_ms(ms: int) -> str:
 
 # The texts of durations under a minute, by part, for the x-ratelimit-reset headers every reply of a limited key
 # carries: list indexes instead of formatting. A bucket's reset is at most a minute unless usage overdrew it.
-MS_TEXTS = tuple(duration_ms(ms) for ms in range(1000))  # "0s", "1ms" ... "999ms"
-SECOND_TEXTS = tuple(str(s) for s in range(60))
-FRACTION_TEXTS = tuple(f".{ms:03d}".rstrip("0") + "s" if ms else "s" for ms in range(1000))  # "s", ".001s" ... ".999s"
+MS_TEXTS: Final = tuple(duration_ms(ms) for ms in range(1000))  # "0s", "1ms" ... "999ms"
+SECOND_TEXTS: Final = tuple(str(s) for s in range(60))
+FRACTION_TEXTS: Final = tuple(f".{ms:03d}".rstrip("0") + "s" if ms else "s" for ms in range(1000))  # "s", ".001s" ... ".999s"
 
 
 def reset_text(ms: int) -> str:
@@ -125,11 +126,11 @@ def reset_text(ms: int) -> str:
     return duration_ms(ms)
 
 
-HEADER_NAMES = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
+HEADER_NAMES: Final = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
                 for kind in KINDS}
 # The same triple as reply-head lines: the text before each of the three values (the per-request path joins
 # them with the values in one f-string).
-LINE_PARTS = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
+LINE_PARTS: Final = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
               for kind, (limit, remaining, reset) in HEADER_NAMES.items()}
 
 

@@ -7,7 +7,7 @@ import os
 import time
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Callable, Iterable, Iterator, Literal, Sequence
+from typing import Callable, Final, Iterable, Iterator, Literal, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -18,16 +18,16 @@ from prometheus_client.utils import floatToGoString
 from gateway.contracts import OK, REJECTED
 
 # LLM latencies span milliseconds (ITL) to minutes (long generations).
-TTFT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
-OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
-HEALTH_STATES = ("starting", "ready", "unhealthy", "draining")
-BREAKER_STATES = ("closed", "open", "half_open")
+TTFT_BUCKETS: Final = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1)
+E2E_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+LOOP_LAG_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+OVERHEAD_BUCKETS: Final = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+HEALTH_STATES: Final = ("starting", "ready", "unhealthy", "draining")
+BREAKER_STATES: Final = ("closed", "open", "half_open")
 # A policy's reason is free text; its first word is kept as a label, up to this many distinct ones.
-MAX_REASON_KINDS = 32
-MAX_CACHED_REASONS = 4096
+MAX_REASON_KINDS: Final = 32
+MAX_CACHED_REASONS: Final = 4096
 
 # name, help, labels, multiprocess mode. Modes, when several worker processes each hold their own view:
 # in-flight adds up over live workers; a health/breaker state reads 1 when any live worker sees the backend

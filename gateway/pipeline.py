@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Final, Iterator
 
 import orjson
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the runtime imports this module's callers, never this modul
     from gateway.pool import BackendState
     from gateway.runtime import Gateway
 
-REQUIRED = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
+REQUIRED: Final = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
 
 
 def parse_body(raw: bytes, route: str) -> dict[str, Any]:
@@ -92,16 +92,17 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     sid = session_of(body, headers)
     assert st.principal is not None  # the API key is checked before the pipeline runs
     principal = st.principal.id
-    st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=g.cfg.shape,
+    hot = g.hot
+    st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=hot.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
     now = time.monotonic()
-    plan = g.limiter.plan(st.principal, shape.model, g.cfg.limits)  # None for a key without rate limits
+    plan = g.limiter.plan(st.principal, shape.model, hot.limits)  # None for a key without rate limits
     if plan is not None:  # take from its buckets or raise a 429: at once from this process's, or through Redis
         if g.limiter.shared is None:
             g.limiter.take(st, plan, shape.prompt_tokens + shape.output_tokens, now)
         else:
-            await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, g.cfg.limits)
+            await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, hot.limits)
             now = time.monotonic()
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
@@ -112,7 +113,7 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     if not candidates:
         raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
-    candidates = admit(candidates, shape.model, shape.klass, now, g.cfg.admission)
+    candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
     if g.affinity is not None:
@@ -129,15 +130,15 @@ async def handle(g: Gateway, st: RequestState) -> Any:
 
 async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: Decision) -> Any:
     """Try the ranked backends in turn; a failure before the first byte moves on, after it never does."""
-    cfg = g.cfg
+    cfg = g.hot
     body, raw = st.body, st.raw
     headers = st.ex.headers
     fwd = trace_headers(headers)  # only a valid trace context goes on; the request id was checked on arrival
     fwd["x-request-id"] = st.request_id
-    deadline = time.monotonic() + cfg.routing.retry_deadline_s
-    max_attempts = cfg.routing.max_attempts
+    deadline = time.monotonic() + cfg.retry_deadline_s
+    max_attempts = cfg.max_attempts
     # A stream's class deadline for the first byte; the last candidate always gets first_byte_timeout_s.
-    class_ttft = cfg.upstream.ttft_deadline_s.get(shape.klass) if shape.stream else None
+    class_ttft = cfg.ttft_deadline_s.get(shape.klass) if shape.stream else None
     last_error: GatewayError | None = None
     failed: list[str] | None = None  # made on the first failure: the common path allocates nothing
     suspect = None  # a backend that answered HTTP 500: charged only if another engine then serves the request
@@ -154,7 +155,7 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
         if outgrown and window is not None and window <= outgrown:
             continue  # no larger than one that refused it: it would refuse it too
         tried += 1
-        first_byte_s = cfg.upstream.first_byte_timeout_s
+        first_byte_s = cfg.first_byte_timeout_s
         if class_ttft is not None and tried < max_attempts and _another_usable(g, ranked, i):
             first_byte_s = min(class_ttft, first_byte_s)
         native = b.models[shape.model]
@@ -216,7 +217,7 @@ def _another_usable(g: Gateway, ranked: tuple[BackendView, ...], i: int) -> bool
 async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendState, call: UpstreamCall,
                   first_byte_s: float) -> Any:
     """One try on one backend: send, then relay the reply; the outcome is recorded however it ends."""
-    cfg = g.cfg
+    cfg = g.hot
     ex = st.ex
     b.in_flight += 1
     running_at_start = b.in_flight - 1
@@ -237,7 +238,7 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             raise charge_send_error(b, e, started, cfg.health) from e
         status = reply.status
         if status >= 400:
-            err = normalize_engine_error(status, await _read_quietly(reply, cfg.upstream.max_error_bytes))
+            err = normalize_engine_error(status, await _read_quietly(reply, cfg.max_error_bytes))
             retry = charge_engine_error(b, err, reply.headers, cfg.health)
             if retry is None:
                 engine_ok = True  # the engine answered properly; the request was at fault
@@ -253,12 +254,12 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
             return resp
         try:
-            data = await reply.read(cfg.upstream.max_reply_bytes)
+            data = await reply.read(cfg.max_reply_bytes)
         except ReplyTooLarge:
             charge(b)
             status = 502
             raise upstream_failed(f"the reply is larger than the gateway's limit "
-                                  f"({cfg.upstream.max_reply_bytes} bytes)") from None  # not retried: it would be again
+                                  f"({cfg.max_reply_bytes} bytes)") from None  # not retried: it would be again
         except TRANSPORT_ERRORS as e:
             charge(b)
             raise Retryable(upstream_failed("connection lost while reading the response")) from e
@@ -312,7 +313,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     try:
         first = await reply.next_chunk(first_by)  # one deadline from sending the request to the first byte
     except TimeoutError as e:
-        charge_timeout(b, started, g.cfg.health)
+        charge_timeout(b, started, g.hot.health)
         raise Retryable(upstream_timeout("no first token in time")) from e
     except TRANSPORT_ERRORS as e:
         charge(b)
@@ -341,7 +342,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
     # The head goes out with the first events in one write (the first bytes are already here).
     resp = await ex.open_stream(g.reply_headers(st, reply.headers), st.limit_lines)
     relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
-                     max_event=g.cfg.upstream.max_event_bytes)
+                     max_event=g.hot.max_event_bytes)
     task = asyncio.current_task()  # the connection's serving task
     assert task is not None  # always within one
     g.streams.add(task)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import re
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from gateway.errors import GatewayError, error_from_event
 
-DONE = b"data: [DONE]\n\n"
-_TOKEN_MARKERS = (b'"content":"', b'"content": "', b'"text":"', b'"text": "', b'"reasoning":"', b'"reasoning": "')
+DONE: Final = b"data: [DONE]\n\n"
+_TOKEN_MARKERS: Final = (b'"content":"', b'"content": "', b'"text":"', b'"text": "', b'"reasoning":"', b'"reasoning": "')
 
 
 def is_token_event(ev: bytes) -> bool:
@@ -24,7 +24,7 @@ def is_token_event(ev: bytes) -> bool:
 
 
 # A "usage" key whose value is null: SGLang (like OpenAI) puts one in every chunk of a stream; it needs no parsing.
-_NULL_USAGE = (b'"usage":null', b'"usage": null')
+_NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
 
 
 def _usage_after(block: bytes, i: int) -> int:
@@ -34,7 +34,7 @@ def _usage_after(block: bytes, i: int) -> int:
     return i
 
 
-FIRST_WRITE_AFTER = 2048  # a first block larger than this is split after its first token event
+FIRST_WRITE_AFTER: Final = 2048  # a first block larger than this is split after its first token event
 
 
 def _first_token_end(block: bytes, look: int = 16) -> int:
@@ -51,7 +51,7 @@ def _first_token_end(block: bytes, look: int = 16) -> int:
 
 
 # Whitespace as a bytes regex's \s has it (JSON allows fewer; an engine's odd spacing still matches).
-_SPACE = frozenset(b" \t\n\r\f\v")
+_SPACE: Final = frozenset(b" \t\n\r\f\v")
 
 
 def _skip_space(data: bytes, i: int) -> int:
@@ -316,7 +316,7 @@ class SSERelay:
 
 
 # One regex pass from the "usage" key on: it costs less than a find per count name, compiled or not.
-_USAGE_FIELDS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
+_USAGE_FIELDS: Final = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
 
 
 def usage_of(data: bytes) -> dict | None:

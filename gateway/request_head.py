@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from gateway.errors import GatewayError
 
 # Fields a request may carry once: two Host headers, or two credentials, have no one meaning.
-SINGLE = frozenset({"host", "authorization", "x-api-key", "content-length"})
+SINGLE: Final = frozenset({"host", "authorization", "x-api-key", "content-length"})
 
 
 def refusal(status: int, message: str, code: str) -> GatewayError:

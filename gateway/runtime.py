@@ -9,7 +9,7 @@ import secrets
 import select
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Final, Mapping
 
 import aiohttp
 import orjson
@@ -23,6 +23,7 @@ from gateway.context import PromptSizer
 from gateway.experiments import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
 from gateway.headers import safe_value
+from gateway.hot_settings import HotSettings
 from gateway.keystore import KeyStore
 from gateway.limits import Limiter
 from gateway.limits_redis import SharedBuckets
@@ -34,8 +35,8 @@ from gateway.stats import OutputEstimator, Tally
 from gateway.stats_merge import group_report
 from gateway.stats_share import Sharing
 
-SAFE_UPSTREAM_HEADERS = ("content-type",)
-MAX_PENDING_LINES = 50_000  # access-log lines held while stdout does not take them; the oldest go first
+SAFE_UPSTREAM_HEADERS: Final = ("content-type",)
+MAX_PENDING_LINES: Final = 50_000  # access-log lines held while stdout does not take them; the oldest go first
 log = logging.getLogger("shapegate")
 
 
@@ -170,7 +171,7 @@ class Gateway:
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
-        self._policy_names: tuple[GatewayConfig, dict[str, str], str] | None = None  # (policy_name)
+        self._hot = HotSettings(cfg)
         # Shutdown: `stopping` turns /readyz false; `cutting` marks the end of the grace period, when
         # streams still running (their handler tasks are in `streams`) are ended with an error event.
         self.stopping = False
@@ -214,15 +215,16 @@ class Gateway:
     def policy_for(self, model: str) -> Policy:
         return self.model_policies.get(model, self.default_policy)
 
+    @property
+    def hot(self) -> HotSettings:
+        """The settings read on every request, as of the configuration now in force (a reload replaces cfg)."""
+        hot = self._hot
+        if hot.cfg is not self.cfg:
+            hot = self._hot = HotSettings(self.cfg)
+        return hot
+
     def policy_name(self, model: str) -> str:
-        # Read twice a request: from a table made once per configuration (each read of a setting costs a few
-        # hundred instructions, a model's settings several).
-        names = self._policy_names
-        if names is None or names[0] is not self.cfg:
-            routing = self.cfg.routing
-            names = self._policy_names = (self.cfg, {m: c.policy for m, c in routing.models.items() if c.policy},
-                                          routing.policy)
-        return names[1].get(model, names[2])
+        return self.hot.policy_name(model)
 
     # -- sessions: how many requests of one session are in flight (interactive = one at a time) --
     def session_load(self, sid: str | None) -> int:
@@ -273,7 +275,7 @@ class Gateway:
 
     def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
                split=None) -> None:
-        if self.cfg.stats.enabled:
+        if self.hot.stats_enabled:
             now = time.monotonic()
             load = b.load
             b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,

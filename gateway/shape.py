@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 from zlib import adler32, crc32
 
 import orjson
@@ -12,9 +12,9 @@ from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, Re
 from gateway.errors import bad_request
 
 # English text averages about four characters per token across the common BPE vocabularies.
-CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN: Final = 4
 # Per-message template overhead (role markers, separators) in tokens, as chat templates render it.
-MESSAGE_OVERHEAD_TOKENS = 4
+MESSAGE_OVERHEAD_TOKENS: Final = 4
 
 
 def _json_text(value: Any, param: str) -> str:

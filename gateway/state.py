@@ -8,7 +8,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Final, Iterable, Protocol
 
 import orjson
 import redis.asyncio as redis_asyncio
@@ -21,10 +21,10 @@ log = logging.getLogger("shapegate.state")
 
 Clock = Callable[[], float]
 
-ORD_BITS = 12  # backend ordinal in the low bits of an index value; the expiry (ms) above it
-ORD_MASK = (1 << ORD_BITS) - 1
-MAX_BACKENDS = ORD_MASK + 1
-AFFINITY_CHANNEL = "affinity"
+ORD_BITS: Final = 12  # backend ordinal in the low bits of an index value; the expiry (ms) above it
+ORD_MASK: Final = (1 << ORD_BITS) - 1
+MAX_BACKENDS: Final = ORD_MASK + 1
+AFFINITY_CHANNEL: Final = "affinity"
 
 
 class StoreError(Exception):

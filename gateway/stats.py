@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Final, Sequence
 
 from gateway import sketch
 from gateway.config import LatencyHints
@@ -15,31 +15,32 @@ Clock = Callable[[], float]
 
 # Starting point for an engine nobody described: faster than any engine we front, so a cold gateway
 # sends every backend a few requests and measurement replaces the guess within a handful of samples.
-PRIOR_TTFT_S = 0.01
-PRIOR_PREFILL_TPS = 10000.0
-PRIOR_TTFT_PER_RUNNING_S = 0.001
-PRIOR_ITL_S = 0.005
-PRIOR_ITL_PER_STREAM_S = 0.0005
-PRIOR_SERVICE_S = 1.0
-PRIOR_WEIGHT = 0.25  # pseudo-samples the prior is worth
+PRIOR_TTFT_S: Final = 0.01
+PRIOR_PREFILL_TPS: Final = 10000.0
+PRIOR_TTFT_PER_RUNNING_S: Final = 0.001
+PRIOR_ITL_S: Final = 0.005
+PRIOR_ITL_PER_STREAM_S: Final = 0.0005
+PRIOR_SERVICE_S: Final = 1.0
+PRIOR_WEIGHT: Final = 0.25  # pseudo-samples the prior is worth
 # Feature magnitudes at which the prior's slopes count as PRIOR_WEIGHT samples (keeps the ridge scale-free).
-TYPICAL_PROMPT_TOKENS = 1000.0
-TYPICAL_RUNNING = 8.0
+TYPICAL_PROMPT_TOKENS: Final = 1000.0
+TYPICAL_RUNNING: Final = 8.0
 # An estimate is recomputed when it is this old (so that decay shows without traffic), and after new
 # samples once it is at least MIN_AGE_S old (a solve costs ~20 us: at most a few dozen per second).
-REFRESH_S = 1.0
-MIN_AGE_S = 0.05
+REFRESH_S: Final = 1.0
+MIN_AGE_S: Final = 0.05
 # While the model has fewer samples of its own than this, the engine's own latency figures replace the prior.
-COLD_SAMPLES = 4
+COLD_SAMPLES: Final = 4
 # The moment sums are decayed at most this often on the request path (between times, new samples are
 # weighted up instead, which is exact).
-DECAY_EVERY_S = 1.0
+DECAY_EVERY_S: Final = 1.0
 
 
 class DecayingRidge:
     """Least squares y = w0 + w1*x1 + ... + wk*xk with exponential forgetting and a ridge prior.
 
-    State is the (k+1)^2 weighted moment sums; an update is O(k^2), a solve O(k^3) with k <= 2.
+    State is the (k+1)^2 weighted moment sums, of which `a` keeps the upper triangle up to date (the sums are
+    symmetric: an update writes half as many); an update is O(k^2), a solve O(k^3) with k <= 2.
     """
 
     __slots__ = ("n", "half_life", "a", "b", "last")
@@ -74,17 +75,23 @@ class DecayingRidge:
         a, b, n = self.a, self.b, self.n
         # A TTFT or an ITL equation touches only its own parameters: skip the zero terms (half of them).
         nz = [i for i in range(n) if row[i]]
-        for i in nz:
+        # (x = x + ..., not x += ...: compiled, a sum of floats, not a generic in-place add)
+        for k, i in enumerate(nz):
             wi = weight * row[i]
-            b[i] += wi * y
+            b[i] = b[i] + wi * y
             base = i * n
-            for j in nz:
-                a[base + j] += wi * row[j]
+            for j in nz[k:]:
+                a[base + j] = a[base + j] + wi * row[j]
+
+    def _symmetric(self) -> list[float]:
+        """The whole matrix of sums, its lower triangle read from the upper."""
+        n, a = self.n, self.a
+        return [a[i * n + j] if j >= i else a[j * n + i] for i in range(n) for j in range(n)]
 
     def moments(self, now: float) -> list[float]:
         """The weighted sums as of `now` (a, then b): the whole state of the fit, which adds across fits."""
         self._decay(now)
-        return [*self.a, *self.b]
+        return [*self._symmetric(), *self.b]
 
     def absorb(self, moments: Sequence[float], now: float) -> None:
         """Add another fit's sums, taken as of `now`: as if its samples had been added here."""
@@ -102,7 +109,8 @@ class DecayingRidge:
         """Coefficients, shrunk towards `prior` as if it were prior_w samples at the typical feature `scales`."""
         self._decay(now)
         n = self.n
-        m = [self.a[i * n:(i + 1) * n] + [self.b[i]] for i in range(n)]
+        a = self._symmetric()
+        m = [a[i * n:(i + 1) * n] + [self.b[i]] for i in range(n)]
         for i in range(n):
             lam = prior_w * scales[i] * scales[i]
             m[i][i] += lam
@@ -279,9 +287,9 @@ class Sample:
 
 
 # Per class and second: one count per attempt result, then output tokens.
-ATTEMPT_RESULTS = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR)
-RESULT_INDEX = {r: i for i, r in enumerate(ATTEMPT_RESULTS)}
-TOKENS = len(ATTEMPT_RESULTS)
+ATTEMPT_RESULTS: Final = (OK, CLIENT_LEFT, CLIENT_ERROR, ENGINE_ERROR)
+RESULT_INDEX: Final = {r: i for i, r in enumerate(ATTEMPT_RESULTS)}
+TOKENS: Final = len(ATTEMPT_RESULTS)
 
 
 class BackendStats:
@@ -358,7 +366,7 @@ class BackendStats:
 
 
 # What a summary sketches of each served sample (a failed one says nothing about the engine's latency).
-DISTRIBUTIONS = ("ttft", "itl", "e2e", "prompt")
+DISTRIBUTIONS: Final = ("ttft", "itl", "e2e", "prompt")
 
 
 def _distributions(s: tuple) -> tuple:

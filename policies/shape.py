@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from gateway.contracts import INTERACTIVE, LONG_PROMPT, BackendView, Decision, RouteInput
 from policies.shape_params import Params
 
 # Score added to a backend that is still being explored and already has its exploration requests:
 # it stays in the ranking (failover) but loses to every measured backend.
-EXPLORE_PENALTY_S = 1e4
+EXPLORE_PENALTY_S: Final = 1e4
 # Score added to a backend predicted to stream a TTFT-scored request slower than max_itl_s.
-SLOW_STREAM_PENALTY_S = 100.0
+SLOW_STREAM_PENALTY_S: Final = 100.0
 # Score added to a slot engine where a request would queue for a slot while another candidate can start it
 # now, and to an interactive backend whose slots are all kept for sessions: both stay as failover only.
-QUEUED_SLOT_PENALTY_S = 1e3
-MAX_SESSIONS = 4096  # sessions remembered; ids are client strings, so the memory is bounded
+QUEUED_SLOT_PENALTY_S: Final = 1e3
+MAX_SESSIONS: Final = 4096  # sessions remembered; ids are client strings, so the memory is bounded
 
 
 def idle_slot(b: BackendView, assumed_slots: int) -> bool:

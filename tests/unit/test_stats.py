@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import LatencyHints
-from gateway.contracts import CLIENT_LEFT, DEFAULT, ENGINE_ERROR, Outcome, RequestShape
+from gateway.contracts import CLIENT_LEFT, DEFAULT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.sketch import REL_ERR
 from gateway.stats import (PRIOR_ITL_S, PRIOR_PREFILL_TPS, PRIOR_TTFT_S, BackendStats, DecayingRidge, LatencyModel,
                            OutputEstimator)
@@ -22,9 +22,11 @@ class FakeClock:
         return self.t
 
 
-def outcome(*, ttft=0.1, itl=0.02, e2e=2.0, prompt=100, cached=0, out=100, running=0, ok=True) -> Outcome:
-    return Outcome(backend="b", shape=SHAPE, ok=ok, status=200 if ok else 502, ttft=ttft, itl=itl, e2e=e2e,
-                   prompt_tokens=prompt, completion_tokens=out, cached_tokens=cached, running_at_start=running)
+def outcome(*, ttft=0.1, itl=0.02, e2e=2.0, prompt=100, cached=0, out=100, running=0, ok=True, status=None,
+            result=OK) -> Outcome:
+    return Outcome(backend="b", shape=SHAPE, ok=ok, status=status or (200 if ok else 502), ttft=ttft, itl=itl,
+                   e2e=e2e, prompt_tokens=prompt, completion_tokens=out, cached_tokens=cached,
+                   running_at_start=running, result=result)
 
 
 def model(clock: FakeClock, hints: LatencyHints = LatencyHints(), warmup: int = 0, half_life: float = 120.0):
@@ -182,8 +184,8 @@ def test_backend_stats_summary_by_class_and_result():
     s = BackendStats(max_samples=16)
     for i in range(4):
         s.add(outcome(ttft=0.1 * (i + 1), itl=0.01, e2e=1.0), now=100.0 + i)
-    s.add(outcome(ok=False)._replace(result=CLIENT_LEFT), now=103.0)
-    s.add(outcome(ok=False)._replace(result=ENGINE_ERROR, status=500), now=103.0)
+    s.add(outcome(ok=False, result=CLIENT_LEFT), now=103.0)
+    s.add(outcome(ok=False, result=ENGINE_ERROR, status=500), now=103.0)
     summary = s.summary(now=103.0, window_s=10.0)
     (klass,) = summary["classes"]
     c = summary["classes"][klass]
