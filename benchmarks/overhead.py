@@ -93,9 +93,9 @@ def run_wrk(url: str, body: str, conc: int, seconds: float, script: str) -> dict
 
 
 def write_gateway_config(path: Path, engine_url: str, access_log: bool = True, stats: bool = True,
-                         server: str = "", sections: str = "") -> Path:
+                         server: str = "", sections: str = "", stats_lines: str = "") -> Path:
     """The gateway config the benchmarks run: one backend, one key; logging and stats upkeep vary, and a
-    benchmark may add `[server]` lines and whole sections of its own."""
+    benchmark may add `[server]` and `[stats]` lines and whole sections of its own."""
     from gateway.auth import hash_key
     path.write_text(f"""
 [server]
@@ -103,6 +103,7 @@ access_log = {str(access_log).lower()}
 {server}
 [stats]
 enabled = {str(stats).lower()}
+{stats_lines}
 [[auth.keys]]
 id = "bench"
 sha256 = "{hash_key(KEY)}"

@@ -37,6 +37,10 @@ FEATURES = {"no access log": "[server] access_log = false",
 # The same tree with the request path compiled by deploy/compile.py (what the image runs), defaults otherwise.
 COMPILED = "compiled"
 QUIET_HEALTH = "interval_s = 3600\nload_interval_s = 3600\nload_stale_s = 7200\n"
+# The latency model solved again at most once an hour: one request at a time, it would be solved again for
+# every request older than the least age (50 ms by default), so the count would rise with the wall time
+# callgrind stretches each request to. Under load one solve serves many requests (a solve: ~20 us).
+QUIET_REFIT = "refit_interval_s = 3600"
 KINDS = ("nonstream", "stream", "stream-sglang")
 STREAM_TOKENS = 50
 # Tokens 10 ms apart: with 2 ms, a stream's count moved by up to 4 % between rounds (the gateway, slowed down by
@@ -45,10 +49,11 @@ STREAM_INTERVAL_S = 0.01
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
-def config(path: Path, engine: str, feature_off: str | None) -> Path:
+def config(path: Path, engine: str, feature_off: str | None, src: Path = ROOT) -> Path:
     sections = QUIET_HEALTH + ('[routing]\npolicy = "round_robin"\n' if feature_off == "round robin" else "")
     cfg = write_gateway_config(path, engine, access_log=feature_off != "no access log",
-                               stats=feature_off != "no stats upkeep", sections=sections)
+                               stats=feature_off != "no stats upkeep", sections=sections, stats_lines=QUIET_REFIT
+                               if "refit_interval_s" in (src / "gateway" / "config.py").read_text() else "")
     if feature_off == "no API-key auth":  # (the key stays listed: the client sends it to every target alike)
         cfg.write_text(cfg.read_text().replace("[[auth.keys]]", "[auth]\nenabled = false\n[[auth.keys]]", 1))
     return cfg
@@ -114,7 +119,7 @@ def measure(args, baseline: Path | None, rev: str | None, compiled: Path | None 
                 for i, name in enumerate(targets):
                     src = (baseline if name.startswith("baseline") and baseline is not None
                            else compiled if name == COMPILED and compiled is not None else ROOT)
-                    cfg = config(tmp / f"{i}.toml", engine, name if name in FEATURES else None)
+                    cfg = config(tmp / f"{i}.toml", engine, name if name in FEATURES else None, src)
                     running[name] = (*start_counted(src, cfg, tmp / f"cg{i}", procs), tmp / f"cg{i}")
                 for name, (port, _, _) in running.items():
                     wait_http(f"http://127.0.0.1:{port}/readyz", timeout=600)
@@ -157,10 +162,10 @@ def markdown(data: dict) -> str:
              f"timer-driven work at the rate of an idle window of {c['idle_s']:g} s taken just before. "
              f"{c['rounds']} rounds, the targets' order alternating; figures are medians (± = (max-min)/median). One "
              f"request at a time: nothing is batched as it is under load, so these are the path's own instructions "
-             f"per request, not its CPU time at c=64. One at a time, each request also finds the latency model's "
-             f"estimate older than its minimum age and solves it again (`gateway/stats.py`, MIN_AGE_S): under load one "
-             f"solve serves many requests, so 'no stats upkeep' saves less per request there than here, for streams "
-             f"above all (each lasts over {c['stream_tokens'] * c['stream_interval_s'] * 1000:g} ms)."]
+             f"per request, not its CPU time at c=64. The latency model is solved again at most once an hour "
+             f"(`[stats] {QUIET_REFIT}`, where the tree has the setting): one request at a time, it would be "
+             f"solved again for nearly every request (at most every 50 ms by default), as many times as the wall "
+             f"time callgrind stretches the window to; under load one solve serves many requests."]
     if COMPILED in data["targets"]:
         lines[-1] += (f" The '{COMPILED}' target runs a copy of this tree in which `deploy/compile.py` has compiled "
                       f"the request path's modules with mypyc (as the image runs them); its config is the defaults'.")

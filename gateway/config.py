@@ -210,6 +210,7 @@ class StatsConfig(Strict):
     max_samples: int = Field(2048, ge=16)
     model_half_life_s: float = Field(120.0, gt=0)  # the latency model forgets samples at this pace
     warmup_samples: int = Field(1, ge=0)  # first samples after a backend becomes ready do not teach the model
+    refit_interval_s: float = Field(0.05, gt=0)  # the latency model is solved again at most this often
 
 
 class LatencyHints(Strict):

@@ -59,6 +59,7 @@ class BackendState:
         """The gateway-wide settings a backend works by (at creation, and again on each reload)."""
         self.breaker.threshold, self.breaker.open_s = gcfg.health.breaker_failures, gcfg.health.breaker_open_s
         self._load_stale_s = gcfg.health.load_stale_s
+        self.latency.refit_s = gcfg.stats.refit_interval_s
 
     def take_load(self, sample: LoadSample) -> None:
         """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,

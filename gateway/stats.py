@@ -26,7 +26,8 @@ PRIOR_WEIGHT: Final = 0.25  # pseudo-samples the prior is worth
 TYPICAL_PROMPT_TOKENS: Final = 1000.0
 TYPICAL_RUNNING: Final = 8.0
 # An estimate is recomputed when it is this old (so that decay shows without traffic), and after new
-# samples once it is at least MIN_AGE_S old (a solve costs ~20 us: at most a few dozen per second).
+# samples once it is at least MIN_AGE_S old ([stats] refit_interval_s; a solve costs ~20 us: at most a few
+# dozen per second).
 REFRESH_S: Final = 1.0
 MIN_AGE_S: Final = 0.05
 # While the model has fewer samples of its own than this, the engine's own latency figures replace the prior.
@@ -165,6 +166,7 @@ class LatencyModel:
         self._taken = (DecayingRidge(4, half_life_s), DecayingRidge(0, half_life_s))
         self.imported = 0  # requests other replicas learned from, folded in here
         self.warmup_samples = warmup_samples
+        self.refit_s = MIN_AGE_S  # the least age of an estimate solved again for new samples
         self._skip = 0
         self._ready_since: float | None = None
         self.samples = 0  # taught the model (warm-up and failures excluded)
@@ -260,7 +262,7 @@ class LatencyModel:
         now = self._clock()
         if self._cached is not None:
             age = now - self._cached_at
-            if age < MIN_AGE_S or (age < REFRESH_S and not self._dirty):
+            if age < self.refit_s or (age < REFRESH_S and not self._dirty):
                 return self._cached
         self._dirty = False
         t0, slope, per_running, a, b = self._fit.solve(self._prior, self._scales, PRIOR_WEIGHT, now)

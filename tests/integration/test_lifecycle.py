@@ -126,10 +126,17 @@ async def test_admin_reload_adds_drains_and_refuses_bad_files(tmp_path, caplog):
                 async with s.post(gw.url + "/admin/reload", headers=headers) as r:
                     return r.status, await r.json()
             assert (await reload(AUTH))[0] == 403
-            path.write_text(to_toml(gateway_config([fake_backend("a", a, "only-a"), fake_backend("b", b)])))
+            path.write_text(to_toml(gateway_config([fake_backend("a", a, "only-a"), fake_backend("b", b)],
+                                                   server={"max_body_bytes": 16 * 1024},
+                                                   stats={"refit_interval_s": 2.0})))
             status, out = await reload()
             assert status == 200 and out["added"] == ["b"] and out["updated"] == ["a"]
             await until(lambda: gw.state.pool.get("b").usable(time.monotonic()))
+            # The settings read on every request follow the new configuration (they are copied out of it).
+            big = {"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]}
+            async with s.post(gw.url + "/v1/chat/completions", headers=AUTH, json=big) as r:
+                assert r.status == 413, await r.text()
+            assert [x.latency.refit_s for x in gw.state.pool.all()] == [2.0, 2.0]
             # Remove a while a stream runs on it: the stream completes, new requests go to b.
             (r, head), = await start_streams(s, gw.url, 1, chunks=40, model="only-a")
             assert r.headers["x-shapegate-backend"] == "a"

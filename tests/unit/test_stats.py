@@ -160,6 +160,18 @@ def test_estimate_is_cached_until_a_sample_or_the_refresh_interval():
     assert m.estimate() is not b  # old enough: recomputed so that forgetting shows
 
 
+def test_refit_interval_spaces_the_solves_out():
+    clock = FakeClock()
+    m = model(clock)
+    m.refit_s = 5.0  # [stats] refit_interval_s
+    a = m.estimate()
+    m.learn(outcome(), clock.t)
+    clock.t += 4.9  # past the refresh interval and the default least age, not this one
+    assert m.estimate() is a
+    clock.t += 0.2
+    assert m.estimate() is not a and m.estimate().samples == 1
+
+
 def test_service_time_is_the_mean_e2e_of_unqueued_requests():
     clock = FakeClock()
     m = model(clock)
