@@ -41,7 +41,7 @@ class DecayingRidge:
     """Least squares y = w0 + w1*x1 + ... + wk*xk with exponential forgetting and a ridge prior.
 
     State is the (k+1)^2 weighted moment sums, of which `a` keeps the upper triangle up to date (the sums are
-    symmetric: an update writes half as many); an update is O(k^2), a solve O(k^3) with k <= 2.
+    symmetric: an update writes about half as many); an update is O(k^2), a solve O(k^3) with k <= 2.
     """
 
     __slots__ = ("n", "half_life", "a", "b", "last")
