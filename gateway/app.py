@@ -24,7 +24,6 @@ from gateway.experiment_share import share_loop as experiment_share_loop
 from gateway.health import load_loop, probe_loop
 from gateway.key_admin import create_key, list_keys, revoke_key
 from gateway.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
-from gateway.metrics import LeanHistogram
 from gateway.request import GATEWAY
 from gateway.reload import RELOADER, Reloader, admin_reload
 from gateway.replica_sync import ReplicaSync
@@ -169,7 +168,7 @@ async def shared_limits(app: web.Application) -> AsyncIterator[None]:
 async def loop_health(app: web.Application) -> AsyncIterator[None]:
     """The loop's lag and GC pauses in /metrics, measured for as long as the app runs."""
     m = app[GATEWAY].metrics
-    lag = m.loop_lag.labels() if isinstance(m.loop_lag, LeanHistogram) else m.loop_lag  # unlabelled with workers
+    lag = m.loop_lag.labels()
     pauses = {gen: m.gc_pause.labels(str(gen)) for gen in (0, 1, 2)}
     gc_watch = GcWatch(lambda gen, s: pauses[gen].observe(s))
     gc_watch.install()
@@ -232,6 +231,7 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     if replicas is not None:
         await replicas.stop()
     g.access_log.close()
+    g.metrics.refresh()  # with several workers: this one's last counts, for the workers still serving
 
 
 async def _flush_loop(g: Gateway) -> None:

@@ -7,9 +7,10 @@ import os
 import time
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Callable, Final, Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Final, Iterable, Iterator, Literal, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import values as value_store
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -126,6 +127,15 @@ class LeanHistogram:
             fam.add_metric(list(values), list(zip(les, accumulate(c.counts))), c.sum)
         return fam
 
+    def file_samples(self) -> Iterator[tuple[str, list[str], tuple[str, ...], float]]:
+        """As prometheus_client's value files hold a histogram: each bucket's own count (not cumulative), the sum."""
+        les = [floatToGoString(b) for b in self.bounds]
+        with_le = [*self.labelnames, "le"]
+        for values, c in self._children.items():
+            for le, n in zip(les, c.counts):
+                yield self.name + "_bucket", with_le, (*values, le), float(n)
+            yield self.name + "_sum", self.labelnames, values, c.sum
+
 
 class LeanCounterChild:
     """One label set of a LeanCounter."""
@@ -137,9 +147,6 @@ class LeanCounterChild:
 
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
-
-
-CounterChild = LeanCounterChild | Counter  # a label set of a counter, lean or the library's (several workers)
 
 
 class LeanCounter:
@@ -166,6 +173,10 @@ class LeanCounter:
             fam.add_metric(list(values), c.value)
         return fam
 
+    def file_samples(self) -> Iterator[tuple[str, list[str], tuple[str, ...], float]]:
+        for values, c in self._children.items():
+            yield self.name + "_total", self.labelnames, values, c.value
+
 
 class LeanCollector(Collector):
     def __init__(self, metrics: list[LeanHistogram | LeanCounter]) -> None:
@@ -173,6 +184,34 @@ class LeanCollector(Collector):
 
     def collect(self):
         return [m.family() for m in self._metrics]
+
+
+class LeanFiles:
+    """Several processes: this worker's counters and histograms copied into its prometheus_client value files, on
+    the 0.2 s timer and before a scrape, where any worker's scrape merges them. A request pays no lock, no getpid
+    and no file write per value (the library's multiprocess values do all three on every increment)."""
+
+    def __init__(self, metrics: list[LeanHistogram | LeanCounter], value_class: Any = None) -> None:
+        self._metrics = metrics
+        # The library's multiprocess value (a process's file, found by its pid), chosen since the directory was set.
+        self._value_class = value_class or value_store.ValueClass
+        self._written: dict[tuple[str, tuple[str, ...]], tuple[Any, float]] = {}
+
+    def flush(self) -> None:
+        written = self._written
+        for m in self._metrics:
+            typ = "histogram" if isinstance(m, LeanHistogram) else "counter"
+            for name, labelnames, labelvalues, v in m.file_samples():
+                key = (name, labelvalues)
+                entry = written.get(key)
+                if entry is None:
+                    value = self._value_class(typ, m.name, name, labelnames, labelvalues, m.doc)
+                elif entry[1] == v:
+                    continue
+                else:
+                    value = entry[0]
+                value.set(v)
+                written[key] = (value, v)
 
 
 class PoolCollector(Collector):
@@ -229,16 +268,12 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         lean: list[LeanHistogram | LeanCounter] = []
 
-        def histogram(name: str, doc: str, labels: list[str], buckets: tuple) -> LeanHistogram | Histogram:
-            if self.multiprocess_dir:  # values must reach the shared files
-                return Histogram(name, doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, labels: list[str], buckets: tuple) -> LeanHistogram:
             h = LeanHistogram(name, doc, labels, buckets)
             lean.append(h)
             return h
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> LeanCounter | Counter:
-            if self.multiprocess_dir:
-                return Counter(name, doc, labels, registry=r)
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> LeanCounter:
             c = LeanCounter(name, doc, labels)
             lean.append(c)
             return c
@@ -254,7 +289,7 @@ class Metrics:
         self.e2e = histogram("shapegate_e2e_seconds", "End-to-end request latency", ["backend", "class"], E2E_BUCKETS)
         self.overhead = histogram("shapegate_gateway_overhead_seconds",
                                   "Time spent in the gateway itself before the upstream call", [], OVERHEAD_BUCKETS)
-        self._overhead = self.overhead.labels() if isinstance(self.overhead, LeanHistogram) else self.overhead
+        self._overhead = self.overhead.labels()
         self.prompt_tokens = counter("shapegate_prompt_tokens", "Prompt tokens", ["backend"])
         self.completion_tokens = counter("shapegate_completion_tokens", "Completion tokens", ["backend"])
         self.decisions = counter("shapegate_routing_decisions", "Routing decisions by policy, first choice "
@@ -312,13 +347,14 @@ class Metrics:
               multiprocess_mode="livesum").set(1)
         if self.multiprocess_dir:
             self._pool: PoolGauges | None = PoolGauges(backends, r)
+            self._files: LeanFiles | None = LeanFiles(lean)
         else:
-            self._pool = None
+            self._pool, self._files = None, None
             r.register(PoolCollector(backends))
             r.register(LeanCollector(lean))
         self._children: dict[tuple, tuple] = {}
-        self._decisions: dict[tuple[str, str, str], CounterChild] = {}
-        self._by_reason: dict[tuple[str, str, str], CounterChild] = {}
+        self._decisions: dict[tuple[str, str, str], LeanCounterChild] = {}
+        self._by_reason: dict[tuple[str, str, str], LeanCounterChild] = {}
         self._kinds: set[str] = set()
         self._kind_of: dict[tuple[str, str], str] = {}
         self.failovers: dict[str, int] = {}  # per backend since start, for /stats (folded into its windows)
@@ -385,7 +421,7 @@ class Metrics:
             self._kind_of[(policy, reason)] = kind
         return kind
 
-    def _decision_child(self, policy: str, backend: str, reason: str) -> CounterChild:
+    def _decision_child(self, policy: str, backend: str, reason: str) -> LeanCounterChild:
         kind = self.reason_kind(policy, reason)
         key = (policy, backend, kind)
         c = self._decisions.get(key)
@@ -456,7 +492,9 @@ class Metrics:
         self.replica_sync_errors.inc()
 
     def refresh(self) -> None:
-        """Write this worker's pool view for the other workers' scrapes (a no-op in one process)."""
+        """Write this worker's values and pool view for the other workers' scrapes (a no-op in one process)."""
+        if self._files is not None:
+            self._files.flush()
         if self._pool is not None:
             self._pool.refresh()
 

@@ -244,14 +244,15 @@ async def test_two_workers_add_up_in_one_scrape(tmp_path):
                     assert r.status == 200
                     ids.append(r.headers["x-request-id"])
         assert {i[:12] for i in ids} == ready  # both served some
-        # Each worker republishes its pool view (in-flight) every 0.2 s: until both show the requests gone.
+        # Each worker copies its counts and pool view (in-flight) to its files every 0.2 s: until both have.
         deadline = time.monotonic() + 5
         while True:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 async with s.get(url + "/metrics") as r:
-                    if Scrape(await r.text()).one("shapegate_in_flight", backend="a") == 0:
-                        break
-            assert time.monotonic() < deadline, "in-flight never went back to 0"
+                    m = Scrape(await r.text())
+            if m.one("shapegate_in_flight", backend="a") == 0 and m.value("shapegate_e2e_seconds_count") == 40:
+                break
+            assert time.monotonic() < deadline, "the workers' counts never added up to the requests served"
             await asyncio.sleep(0.05)
         for _ in range(6):
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
