@@ -22,7 +22,11 @@ from routing_conditions import busy_cores, machine, wait_quiet
 
 RESULTS = pt.ROOT / "benchmarks" / "results"
 CLIENT = pt.ROOT / "benchmarks" / "peers_client.py"
-POINTS = (("nonstream", 1), ("nonstream", 64), ("stream", 1), ("stream", 64))
+POINTS = (("nonstream", 1), ("nonstream", 64), ("stream", 1), ("stream", 64), ("stream-rate", 64))
+# "stream-rate": streams started at this rate over 64 workers, whatever the target relays. At c=64 without a rate a
+# faster relay also loads the engines and the client more (they share the cores), and their own delays reach its
+# first tokens; at one rate, well under every target's capacity, each carries the same tokens a second.
+STREAM_RATE = 400
 WRK_CONC = 64
 
 Starter = Callable[[Path, list[str]], pt.Target]
@@ -44,8 +48,10 @@ LABELS = {"direct": "direct", "shapegate": "shapegate", "shapegate-w2": "shapega
 def client_point(t: pt.Target, kind: str, conc: int, seconds: float, warmup: float) -> dict:
     """One point: the client in its own process; the target's CPU read when the client opens and closes its
     measured window (it prints a line at each edge), so warm-up and the last replies are not counted."""
-    cmd = [sys.executable, str(CLIENT), "--url", t.url + "/v1/chat/completions", "--kind", kind, "--conc", str(conc),
-           "--seconds", str(seconds), "--warmup", str(warmup), "--key", pt.KEY]
+    cmd = [sys.executable, str(CLIENT), "--url", t.url + "/v1/chat/completions", "--kind", kind.removesuffix("-rate"),
+           "--conc", str(conc), "--seconds", str(seconds), "--warmup", str(warmup), "--key", pt.KEY]
+    if kind.endswith("-rate"):
+        cmd += ["--rate", str(STREAM_RATE)]
     load_before = os.getloadavg()
     cpu: dict[str, float] = {}
     result: dict = {}
@@ -182,6 +188,7 @@ def conditions(args) -> dict:
     c.update(command=shlex.join(["python3", "benchmarks/peers.py", *sys.argv[1:]]), cores=os.cpu_count(),
              seconds=args.seconds, warmup=args.warmup, rounds=args.rounds, wrk_seconds=args.wrk_seconds,
              wrk=" ".join((wrk.stdout + wrk.stderr).split()[:2]), points=[list(p) for p in POINTS],
+             stream_rate=STREAM_RATE,
              engines="2 x benchmarks/fast_engine.py (zero delay, 16-token replies, 200-chunk streams)",
              shapegate_build="compiled")
     return c

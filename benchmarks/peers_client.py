@@ -20,6 +20,9 @@ BODIES = {
                "stream": True, "stream_options": {"include_usage": True}},
 }
 TIMEOUT_S = 30.0  # one request that takes longer counts as an error, so a stuck target cannot hang a run
+# With --rate, a request sent this much after its slot counts as late: every worker was still busy (the loop's
+# timers have a resolution of 1 ms, so a start up to that late is on time).
+LATE_S = 0.002
 
 
 def has_content(event: bytes) -> bool:
@@ -136,8 +139,22 @@ class Run:
     stream: bool
     measure_from: float
     stop_at: float
+    rate: float = 0.0  # requests a second over all workers, at even intervals (0: each worker as fast as it can)
+    start: float = 0.0  # when the schedule begins (the start of the warm-up)
+    slot: int = 0  # the next request's place in that schedule
+    late: int = 0  # requests of the window sent more than LATE_S after their slot
     done: list[Done] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+
+    async def wait_turn(self) -> None:
+        """Until the next slot of the schedule: a worker that comes late for it sends at once (and counts it)."""
+        at = self.start + self.slot / self.rate
+        self.slot += 1
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif delay < -LATE_S and self.measure_from <= at <= self.stop_at:
+            self.late += 1
 
     def note(self, rec: Done) -> None:
         if not self.measure_from <= rec.end <= self.stop_at:
@@ -161,6 +178,10 @@ async def worker(run: Run) -> None:
                 conn = None
                 await asyncio.sleep(0.01)  # a refused connect would otherwise spin
                 continue
+        if run.rate:
+            await run.wait_turn()
+            if time.perf_counter() >= run.stop_at:
+                break
         try:
             rec = await asyncio.wait_for(conn.request(run.payload, run.stream), TIMEOUT_S)
         except TimeoutError:
@@ -189,7 +210,8 @@ def summary(run: Run, window_s: float, client_cpu_s: float) -> dict:
             "ttft_p50_us": percentile(ttft, 50), "ttft_p99_us": percentile(ttft, 99),
             "tokens": sum(tokens), "tokens_per_s": sum(tokens) / window_s,
             "tokens_min": min(tokens, default=0), "tokens_max": max(tokens, default=0),
-            "events": sum(d.events for d in run.done), "client_cpu_s": client_cpu_s}
+            "events": sum(d.events for d in run.done), "client_cpu_s": client_cpu_s,
+            "rate": run.rate, "late_starts": run.late}
 
 
 def own_cpu() -> float:
@@ -203,7 +225,7 @@ def mark(word: str) -> None:
     sys.stdout.flush()
 
 
-async def drive(url: str, kind: str, conc: int, seconds: float, warmup: float, key: str) -> dict:
+async def drive(url: str, kind: str, conc: int, seconds: float, warmup: float, key: str, rate: float = 0.0) -> dict:
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     body = orjson.dumps(BODIES[kind])
@@ -212,7 +234,7 @@ async def drive(url: str, kind: str, conc: int, seconds: float, warmup: float, k
                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
-    run = Run(host, port, payload, kind == "stream", start + warmup, start + warmup + seconds)
+    run = Run(host, port, payload, kind == "stream", start + warmup, start + warmup + seconds, rate, start=start)
     cpu: dict[str, float] = {}
 
     def edge(word: str) -> None:
@@ -233,8 +255,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="the measured window")
     p.add_argument("--warmup", type=float, default=1.0, help="load before the window, not counted")
     p.add_argument("--key", default="sk-bench-key")
+    p.add_argument("--rate", type=float, default=0.0, help="requests a second over all workers, evenly spaced "
+                   "(default: none, each worker sends its next request when the last one ends)")
     a = p.parse_args()
-    result = uvloop.run(drive(a.url, a.kind, a.conc, a.seconds, a.warmup, a.key))
+    result = uvloop.run(drive(a.url, a.kind, a.conc, a.seconds, a.warmup, a.key, a.rate))
     sys.stdout.write("RESULT " + orjson.dumps(result).decode() + "\n")
 
 

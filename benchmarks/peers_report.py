@@ -56,27 +56,41 @@ class Data:
 
 COLUMNS = ("target", "added p50 c=1, non-stream", "gateway CPU / request c=64", "req/s c=64", "p99 c=64",
            "added TTFT c=1, stream", "CPU / 200-chunk stream c=64", "tokens/s c=64", "TTFT p99 c=64")
+RATE = "stream-rate"  # the point of streams started at one rate (conditions: stream_rate a second), 64 workers
+
+
+def rate_of(d: Data) -> int | None:
+    """Streams a second of the rate point, None for a run without one."""
+    return d.r["conditions"].get("stream_rate")
+
+
+def columns(d: Data) -> tuple[str, ...]:
+    rate = rate_of(d)
+    return COLUMNS + ((f"TTFT p99 at {rate} streams/s",) if rate else ())
 
 
 def row(d: Data, t: str) -> list[str]:
     label = d.r["targets"][t]["label"]
     if not d.ok(t):
         when = "failed during the run" if d.r["targets"][t].get("stage") in ("run", "warm-up") else "did not run"
-        return [f"{label} ({when})"] + ["-"] * (len(COLUMNS) - 1)
+        return [f"{label} ({when})"] + ["-"] * (len(columns(d)) - 1)
+    at_rate = [fmt(d.values(t, RATE, 64, "ttft_p99_us"), " us")] if rate_of(d) else []
     if t == "direct":  # the reference: its own c=1 figures where the others show what they add
         return [label, "ref: p50 " + fmt(d.values(t, "nonstream", 1, "p50_us"), " us"), "-",
                 fmt(d.values(t, "nonstream", 64, "rps")), fmt(d.values(t, "nonstream", 64, "p99_us"), " us"),
                 "ref: TTFT " + fmt(d.values(t, "stream", 1, "ttft_p50_us"), " us"), "-",
-                fmt(d.values(t, "stream", 64, "tokens_per_s")), fmt(d.values(t, "stream", 64, "ttft_p99_us"), " us")]
+                fmt(d.values(t, "stream", 64, "tokens_per_s")), fmt(d.values(t, "stream", 64, "ttft_p99_us"), " us"),
+                *at_rate]
     return [label, fmt(d.added(t, "nonstream", "p50_us"), " us"),
             fmt(d.values(t, "nonstream", 64, "cpu_per_req_us"), " us"), fmt(d.values(t, "nonstream", 64, "rps")),
             fmt(d.values(t, "nonstream", 64, "p99_us"), " us"), fmt(d.added(t, "stream", "ttft_p50_us"), " us"),
             fmt(d.values(t, "stream", 64, "cpu_per_req_us"), " us"), fmt(d.values(t, "stream", 64, "tokens_per_s")),
-            fmt(d.values(t, "stream", 64, "ttft_p99_us"), " us")]
+            fmt(d.values(t, "stream", 64, "ttft_p99_us"), " us"), *at_rate]
 
 
 def table(d: Data) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    cols = columns(d)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(row(d, t)) + " |" for t in ROWS if t in d.r["targets"]]
     return "\n".join(lines)
 
@@ -146,7 +160,27 @@ def checks(d: Data) -> list[str]:
               at_most=False),
         check("tokens/s at c=64 with --workers 2, at least 1.2x the vLLM router's", d, w2, REF, "stream",
               "tokens_per_s", 1.2, at_most=False),
-    ]
+    ] + ([check(f"p99 of first tokens at {rate_of(d)} streams/s (64 workers), at most the vLLM router's (us); a "
+                "measure beside the c=64 one, not one of the targets", d, sg, REF, RATE, "ttft_p99_us", 1.0)]
+         if rate_of(d) else [])
+
+
+def rate_note(d: Data) -> list[str]:
+    """Whether every target kept the rate point's schedule (a late start: all 64 workers were still busy)."""
+    rate = rate_of(d)
+    pts = [p for p in d.r["points"] if p["kind"] == RATE and p["requests"]]
+    if not rate or not pts:
+        return []
+    done = [p["rps"] for p in pts]
+    late = {d.r["targets"][p["target"]]["label"]: 0 for p in pts}
+    for p in pts:
+        late[d.r["targets"][p["target"]]["label"]] += p.get("late_starts", 0)
+    behind = [f"{t} {n}" for t, n in late.items() if n]
+    return [f"- At {rate} streams/s (200 tokens each, {rate * 200:,} tokens/s): the streams that ended in each window "
+            f"came to {min(done):,.0f}-{max(done):,.0f} a second; "
+            + ("no stream started later than 2 ms after its turn." if not behind else
+               "streams started more than 2 ms after their turn (all 64 workers busy), over the rounds: "
+               + ", ".join(behind) + ".")]
 
 
 def notes(d: Data) -> list[str]:
@@ -178,6 +212,7 @@ def notes(d: Data) -> list[str]:
         out.append(f"- CPU per non-streamed request at c=64: the Python floor {f:,.0f} us, {f / r:.2f}x the "
                    f"{d.r['targets'][REF]['label']}'s {r:,.0f} us; shapegate {s:,.0f} us, {s / f:.1f}x the floor's. "
                    "What shapegate spends beyond the floor is its own request path, not the language.")
+    out += rate_note(d)
     loads = [p["load_before"][0] for p in d.r["points"]]
     if loads:
         out.append(f"- 1-minute load average at the start of the points: {min(loads):.2f}-{max(loads):.2f}.")
@@ -216,6 +251,17 @@ COMPILED_TEXT = "shapegate runs as its image does, the request path compiled by 
 UNCOMPILED_ROW = ', except on the "shapegate, uncompiled" row (the same sources as plain Python)'
 
 
+def rate_text(d: Data) -> str:
+    rate = rate_of(d)
+    if not rate:
+        return ""
+    return (f" The last column's point starts {rate} streams a second at even intervals from 64 workers (a worker "
+            "whose turn comes while it is busy sends when it is free), whatever the target could relay: at c=64 "
+            "without a rate, a target that relays faster also loads the engines and the client more (all share "
+            "the cores), and their delays reach its first tokens; at one rate every target carries the same "
+            "tokens a second.")
+
+
 def markdown(results: dict) -> str:
     d, c = Data(results), results["conditions"]
     tree = "clean" if not c["dirty_paths"] else f"with uncommitted changes in {len(c['dirty_paths'])} paths"
@@ -251,8 +297,8 @@ The client (`benchmarks/peers_client.py`, its own process, uvloop, one keep-aliv
 parsed with llhttp) times each request, and for streams the first SSE data event carrying content (TTFT) and the \
 tokens. Each point: {c['warmup']:g} s of load, then a {c['seconds']:g} s window in which the requests that finish \
 are counted. CPU = user + system time (/proc) of the target's processes and threads over that window, divided by \
-the requests that finished in it (a stream is one request of 200 tokens). {c['rounds']} rounds, every target in \
-each, in these orders: {rounds}. Figures are medians over the rounds, ± = (max-min)/median.
+the requests that finished in it (a stream is one request of 200 tokens).{rate_text(d)} {c['rounds']} rounds, every \
+target in each, in these orders: {rounds}. Figures are medians over the rounds, ± = (max-min)/median.
 
 Commands (plus host, port and a free Prometheus port for the routers):
 {chr(10).join(commands(d))}

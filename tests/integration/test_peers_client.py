@@ -50,10 +50,10 @@ def engine() -> Iterator[str]:
         proc.wait(10)
 
 
-def run_client(url: str, kind: str, conc: int = 4) -> tuple[list[str], dict]:
+def run_client(url: str, kind: str, conc: int = 4, *more: str) -> tuple[list[str], dict]:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers_client.py"), "--url",
                           url + "/v1/chat/completions", "--kind", kind, "--conc", str(conc), "--seconds", "0.4",
-                          "--warmup", "0.1"], capture_output=True, text=True, timeout=60, check=True).stdout
+                          "--warmup", "0.1", *more], capture_output=True, text=True, timeout=60, check=True).stdout
     lines = out.splitlines()
     return lines, json.loads(lines[-1].removeprefix("RESULT "))
 
@@ -65,6 +65,15 @@ def test_streams_are_counted_with_their_tokens_and_first_token(engine: str) -> N
     assert r["tokens_min"] == r["tokens_max"] == 200 and r["tokens"] == 200 * r["requests"]
     assert r["events"] == EVENTS_PER_STREAM * r["requests"]
     assert 0 < r["ttft_p50_us"] <= r["p50_us"] and r["ttft_p99_us"] <= r["p99_us"]
+
+
+def test_a_rate_spaces_the_requests_out_over_the_workers(engine: str) -> None:
+    # 50 a second from 4 workers: the 0.4 s window holds 20 turns (the engine answers in well under their 20 ms
+    # spacing); without a rate the same workers finish thousands in it.
+    _, r = run_client(engine, "stream", 4, "--rate", "50")
+    assert r["rate"] == 50 and r["errors"] == 0 and r["tokens_min"] == 200
+    assert 1 <= r["requests"] <= 21, r["requests"]
+    assert r["late_starts"] <= r["requests"]
 
 
 def test_non_streamed_requests_have_latency_and_no_tokens(engine: str) -> None:

@@ -102,6 +102,27 @@ def test_wrk_cross_check_and_notes():
     assert "The client counted no failed request" in md
 
 
+def test_a_run_with_a_rate_point_has_its_column_check_and_note():
+    data = sample()
+    data["conditions"]["stream_rate"] = 400
+    for target, rounds in SAMPLE.items():
+        for rnd, (_, p99, _, _) in enumerate(rounds):
+            data["points"].append({
+                "target": target, "kind": "stream-rate", "conc": 64, "round": rnd, "requests": 2000, "errors": 0,
+                "error_kinds": {}, "window_s": 5.0, "client_cpu_s": 1.0, "load_before": [0.5, 0.4, 0.3],
+                "p50_us": 900, "p99_us": 2_000, "ttft_p50_us": 300, "ttft_p99_us": p99 / 10, "cpu_per_req_us": 300,
+                "rps": 400.0, "tokens_per_s": 80_000, "tokens_min": 200, "tokens_max": 200, "rate": 400,
+                "late_starts": 3 if target == "vllm-router" else 0})
+    md = peers_report.markdown(data)
+    header = next(x for x in md.splitlines() if x.startswith("| target |"))
+    assert header.endswith("| TTFT p99 c=64 | TTFT p99 at 400 streams/s |")
+    assert cells(md, "shapegate")[9] == "850 us (±12%)" and cells(md, "direct")[9] == "95 us (±11%)"
+    assert cells(md, "shapegate --workers 2 (did not run)")[1:] == ["-"] * 9
+    rate = next(x for x in md.splitlines() if x.startswith("- p99 of first tokens at 400 streams/s"))
+    assert "**met**, shapegate 850 against vLLM router 1,050: 0.81x" in rate
+    assert "came to 400-400 a second" in md and "vLLM router 6." in md
+
+
 def test_rounds_change_the_order():
     ids = ["direct", "shapegate", "shapegate-w2", "vllm-router", "sglang-router", "nginx"]
     orders = [round_order(ids, r) for r in range(3)]
