@@ -16,10 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_tail import loop_figures, run_line, save_and_render  # noqa: E402
-from overhead import KEY, cpu_seconds, free_port, wait_http, write_gateway_config  # noqa: E402
+from overhead import KEY, LAUNCH, cpu_seconds, free_port, wait_http, write_gateway_config  # noqa: E402
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from deploy.compile import compiled_copy  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 FILES = 65_536  # two sockets per stream in the gateway; raised as far as the process may (root, CAP_SYS_RESOURCE)
 SPARE_FILES = 200  # the gateway's own: listening socket, log, probes, scrapes of /metrics, Redis
@@ -85,22 +88,34 @@ def gc_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, l
                      1000 * d(f'shapegate_gc_pause_seconds_sum{{generation="{g}"}}')] for g in (0, 1, 2)}
 
 
+BUILDS = ("sources", "compiled")  # the plain sources, and the copy compiled by deploy/compile.py (what the image runs)
+
+
 def measure(args) -> dict:
-    """`args.rounds` rounds, each with its own engine, gateway and client."""
+    """`args.rounds` rounds of each build, each round with its own engine, gateway and client; the builds take
+    turns within a round, in the other order in the next."""
     room = stream_room()
     cond = {**machine(), "command": "python3 benchmarks/streams_10k.py " + " ".join(sys.argv[1:]),
             "asked": args.streams, "room": room, "streams": min(args.streams, room), "rate": args.rate,
-            "hold_s": args.hold, "interval_s": 1.0, "rounds": args.rounds}
+            "hold_s": args.hold, "interval_s": 1.0, "rounds": args.rounds, "builds": list(args.builds)}
     args.streams = cond["streams"]
     rounds = []
-    for i in range(args.rounds):
-        rounds.append(one_round(args))
-        print(json.dumps({"round": i, **{k: v for k, v in rounds[-1].items() if not isinstance(v, dict)}}), flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        trees = {"sources": ROOT}
+        if "compiled" in args.builds:
+            trees["compiled"] = Path(d) / "compiled"
+            cond["compile_s"] = round(compiled_copy(trees["compiled"]))
+        for i in range(args.rounds):
+            for build in (args.builds if i % 2 == 0 else args.builds[::-1]):
+                rounds.append({"build": build, **one_round(args, trees[build])})
+                print(json.dumps({"round": i, **{k: v for k, v in rounds[-1].items() if not isinstance(v, dict)}}),
+                      flush=True)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "rounds": rounds}
 
 
-def one_round(args) -> dict:
+def one_round(args, src: Path) -> dict:
+    """One engine, one gateway (from the tree `src`) and one client: every stream opened, held, ended."""
     tokens = int(args.streams / args.rate + args.hold + 10)
     out: dict = {"tokens_per_stream": tokens}
     procs: list[subprocess.Popen] = []
@@ -114,9 +129,9 @@ def one_round(args) -> dict:
             server, upstream = room_settings(args.streams)
             cfg = write_gateway_config(tmp / "gw.toml", f"http://127.0.0.1:{eport}", server=server,
                                        sections=upstream)
-            gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port",
-                                   str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=tmp.joinpath("gw.log").open("wb"),
-                                  preexec_fn=more_files)
+            gw = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--config", str(cfg), "--port", str(gport)],
+                                  cwd=src, env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
+                                  stderr=tmp.joinpath("gw.log").open("wb"), preexec_fn=more_files)
             procs.append(gw)
             base = f"http://127.0.0.1:{gport}"
             wait_http(base + "/readyz")
@@ -192,8 +207,8 @@ def errors(r: dict) -> int:
     return r["client"]["requested"] - r["client"]["completed"]
 
 
-def markdown(data: dict) -> str:
-    c, rounds = data["conditions"], data["rounds"]
+def build_section(c: dict, build: str, rounds: list[dict], heading: bool) -> list[str]:
+    """One build's table, medians and checks."""
     n = len(rounds)
     lag99 = [r["lag_p99_le_s"] for r in rounds]
     rss = [r["rss_held_mb"] for r in rounds]
@@ -211,25 +226,42 @@ def markdown(data: dict) -> str:
             for i, (label, _) in enumerate(figures(rounds[0]))]
     kb = [per_stream_kb(r) for r in rounds]
     cpu = [r["cpu_share"] for r in rounds]
+    return [*([f"## {BUILD_TITLES[build]}", ""] if heading else []),
+            "| figure | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |", "|---|" + "---|" * n, *rows, "",
+            f"Medians of the rounds: {statistics.median(kb):,.1f} KB of memory per open stream "
+            f"({min(kb):,.1f}-{max(kb):,.1f}), gateway CPU {statistics.median(cpu):.0%} of one core "
+            f"({min(cpu):.0%}-{max(cpu):.0%}) while relaying {c['streams'] / c['interval_s']:,.0f} tokens a second.", "",
+            f"Checks{' (' + build + ')' if heading else ''}:", "",
+            *[f"- {name}: {'met' if ok else 'NOT met'} ({how})." for name, ok, how in checks], ""]
+
+
+BUILD_TITLES = {"sources": "The plain sources", "compiled": "Compiled (`deploy/compile.py`, as the image runs)"}
+
+
+def markdown(data: dict) -> str:
+    c, rounds = data["conditions"], data["rounds"]
+    builds = c.get("builds", ["sources"])  # (runs before the compiled build was measured: the sources only)
+    by_build = {b: [r for r in rounds if r.get("build", "sources") == b] for b in builds}
+    first = rounds[0]
+    both = len(builds) > 1
+    which = ("the plain sources and a copy compiled by `deploy/compile.py` (what the image runs) take turns within "
+             "each round, in the other order in the next" if both else
+             "the gateway runs " + ("from the plain sources" if builds == ["sources"] else "the compiled copy"))
     return "\n".join([
         "# 10,000 concurrent streams in one gateway process", "",
         run_line(c) + ".", "",
         f"One gateway process (default config but for connection limits raised to fit {c['streams']:,} streams, "
         "access log on to /dev/null, API-key auth) in front of `benchmarks/slow_engine.py`, which sends one token "
-        f"per stream every {c['interval_s']:g} s ({rounds[0]['tokens_per_stream']} tokens each); "
+        f"per stream every {c['interval_s']:g} s ({first['tokens_per_stream']} tokens each); "
         f"`benchmarks/streams_client.py` opens {c['streams']:,} streams at {c['rate']:g} a second and holds "
-        f"each to its end. Engine, gateway and client share the machine's cores. {n} rounds, each with a new "
-        "engine, gateway and client. Memory is the gateway's RSS; lag is its own "
-        "`shapegate_event_loop_lag_seconds` over the window while every stream was open (a window of "
-        f"{statistics.median(r['window_s'] for r in rounds):.0f} s).", "",
-        "| figure | " + " | ".join(f"round {i + 1}" for i in range(n)) + " |", "|---|" + "---|" * n, *rows, "",
-        f"Medians of the rounds: {statistics.median(kb):,.1f} KB of memory per open stream "
-        f"({min(kb):,.1f}-{max(kb):,.1f}), gateway CPU {statistics.median(cpu):.0%} of one core "
-        f"({min(cpu):.0%}-{max(cpu):.0%}) while relaying {c['streams'] / c['interval_s']:,.0f} tokens a second.", "",
+        f"each to its end. Engine, gateway and client share the machine's cores. {c['rounds']} rounds"
+        f"{' of each build' if both else ''}, each with a new engine, gateway and client; {which}. Memory is the "
+        "gateway's RSS; lag is its own `shapegate_event_loop_lag_seconds` over the window while every stream was "
+        f"open (a window of {statistics.median(r['window_s'] for r in rounds):.0f} s).", "",
         *([f"The open-files limit this machine grants a process ({(c['room'] * 2 + SPARE_FILES):,}, not raisable "
            f"here) holds at most {c['room']:,} streams of two sockets each: {c['streams']:,} were run, not "
            f"{c['asked']:,}.", ""] if c["streams"] < c["asked"] else []),
-        "## Checks", "", *[f"- {name}: {'met' if ok else 'NOT met'} ({how})." for name, ok, how in checks], ""])
+        *[line for b in builds for line in build_section(c, b, by_build[b], both)]])
 
 
 def main() -> None:
@@ -238,6 +270,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500.0)
     ap.add_argument("--hold", type=float, default=30.0, help="seconds with every stream open")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--builds", nargs="+", choices=BUILDS, default=list(BUILDS))
     ap.add_argument("--render", action="store_true")
     a = ap.parse_args()
     save_and_render("streams_10k", None if a.render else measure(a), markdown)
