@@ -259,8 +259,8 @@ class PoolGauges:
 class Metrics:
     """The gateway's metrics; children are cached per label set so the hot path skips label lookups.
 
-    With PROMETHEUS_MULTIPROC_DIR set (`shapegate serve --workers N`), values live in that directory and a
-    scrape of any worker aggregates all of them.
+    With PROMETHEUS_MULTIPROC_DIR set (`shapegate serve --workers N`), each worker still counts in memory and
+    copies its values into that directory every 0.2 s (LeanFiles, PoolGauges); a scrape of any worker merges them.
     """
 
     def __init__(self, backends: Callable[[], Iterable]) -> None:
