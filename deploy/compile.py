@@ -26,7 +26,7 @@ COMPILED = (
     "gateway/failover.py", "gateway/request.py", "gateway/stats.py", "gateway/pool.py", "gateway/auth.py",
     "gateway/request_head.py", "gateway/headers.py", "gateway/errors.py", "gateway/front.py", "gateway/metrics.py",
     "gateway/contracts.py", "gateway/health.py", "gateway/limits.py", "gateway/state.py", "gateway/experiments.py",
-    "gateway/hot_settings.py",
+    "gateway/hot_settings.py", "gateway/lean_metrics.py",
     "backends/http1.py", "backends/http1_response.py", "backends/slots.py", "policies/shape.py",
 )
 PACKAGES = ("gateway", "backends", "policies")
