@@ -1,5 +1,5 @@
 """Where a non-streamed request's CPU goes: the gateway with its defaults, with each optional feature off and with all
-of them off, beside an aiohttp proxy and a proxy that passes bytes on unread, in one run."""
+of them off, beside an aiohttp proxy and a proxy that passes bytes on unread, in one run, at each concurrency asked."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_tail import med, run_line, save_and_render  # noqa: E402
-from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_times, free_port, run_wrk, stop_all,  # noqa: E402
+from overhead import (BODIES, KEY, LAUNCH, WRK_SCRIPT, cpu_times, free_port, run_wrk, stop_all,  # noqa: E402
                       wait_http, write_gateway_config)
 from routing_conditions import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from deploy.compile import compiled_copy  # noqa: E402
+
+BUILDS = {"sources": "the plain sources", "compiled": "a copy compiled by `deploy/compile.py` (what the image runs)"}
 # The gateway's optional per-request features, and what switching each off means in its config.
 FEATURES = {"access log": "access log off ([server] access_log = false)",
             "stats upkeep": "stats upkeep off ([stats] enabled = false: counters only)",
@@ -46,15 +50,17 @@ def gateway_config(path: Path, engine: str, off: tuple[str, ...]) -> Path:
     return cfg
 
 
-def start(tmp: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]]:
-    """Every target on its own port: name -> (base URL, pid)."""
+def start(tmp: Path, tree: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]]:
+    """Every target on its own port, the gateways from `tree`: name -> (base URL, pid)."""
     engine = f"http://127.0.0.1:{engine_port}"
     out = {}
     for name in TARGETS:
         port = free_port()
+        cwd, env = ROOT, None
         if name in GATEWAYS:
-            cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config",
+            cmd = [sys.executable, "-c", LAUNCH, "serve", "--config",
                    str(gateway_config(tmp / f"{len(out)}.toml", engine, GATEWAYS[name])), "--port", str(port)]
+            cwd, env = tree, {**os.environ, "PYTHONPATH": str(tree)}
         elif name.startswith("parsing proxy"):
             cmd = [sys.executable, str(ROOT / "benchmarks" / "parsing_proxy.py"), "--port", str(port), "--engine",
                    engine, "--key", KEY] + (["--tasks"] if name.endswith("tasks") else [])
@@ -64,21 +70,21 @@ def start(tmp: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]
         else:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_proxy.py"), "--port", str(port),
                    "--upstream-port", str(engine_port)]
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(p)
         out[name] = (f"http://127.0.0.1:{port}", p.pid)
         wait_http(out[name][0] + ("/health" if name == "bytes proxy" else "/readyz"))
     return out
 
 
-def syscalls(pid: int, url: str, script: str, seconds: float) -> dict:
+def syscalls(pid: int, url: str, script: str, conc: int, seconds: float) -> dict:
     """Syscalls per request by name, counted by strace over a wrk run of its own (strace slows the target: its
     counts stand, its timings are not used)."""
-    out = Path(script).with_suffix(f".{pid}.strace")
+    out = Path(script).with_suffix(f".{pid}.{conc}.strace")
     tracer = subprocess.Popen(["strace", "-f", "-c", "-q", "-p", str(pid), "-o", str(out)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # attached to every thread before the load starts
-    r = run_wrk(url, BODIES["nonstream"], 64, seconds, script)
+    r = run_wrk(url, BODIES["nonstream"], conc, seconds, script)
     tracer.send_signal(signal.SIGINT)
     tracer.wait(30)
     calls = {}
@@ -91,13 +97,17 @@ def syscalls(pid: int, url: str, script: str, seconds: float) -> dict:
 
 def measure(args) -> dict:
     cond = {**machine(), "command": " ".join(["python3 benchmarks/cpu_budget.py", *sys.argv[1:]]),
-            "seconds": args.seconds, "repeats": args.repeats}
+            "seconds": args.seconds, "repeats": args.repeats, "build": args.build, "concurrency": args.conc}
     cond["wrk"] = " ".join(subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[:2])
     points: list[dict] = []
     traced: dict[str, dict] = {}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        tree = ROOT
+        if args.build == "compiled":
+            tree = tmp / "compiled"
+            cond["compile_s"] = round(compiled_copy(tree))
         script = tmp / "post.lua"
         script.write_text(WRK_SCRIPT)
         engine_port = free_port()
@@ -105,25 +115,28 @@ def measure(args) -> dict:
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
                                            str(engine_port)]))
             wait_http(f"http://127.0.0.1:{engine_port}/health")
-            targets = start(tmp, engine_port, procs)
+            targets = start(tmp, tree, engine_port, procs)
             for base, _ in targets.values():  # imports, connections, caches
                 run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 64, 1.0, str(script))
             for rep in range(args.repeats):
                 turn = rep * 3 % len(TARGETS)
-                for name in (*TARGETS[turn:], *TARGETS[:turn]):
-                    base, pid = targets[name]
-                    u0, s0 = cpu_times(pid)
-                    r = run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 64, args.seconds, str(script))
-                    u1, s1 = cpu_times(pid)
-                    n = max(r["requests"], 1)
-                    r.update(target=name, rep=rep, rps=r["requests"] / (r["duration_us"] / 1e6),
-                             user_us=(u1 - u0) / n * 1e6, sys_us=(s1 - s0) / n * 1e6)
-                    r["cpu_us"] = r["user_us"] + r["sys_us"]
-                    points.append(r)
-                    print(json.dumps(r), flush=True)
+                for conc in args.conc:
+                    for name in (*TARGETS[turn:], *TARGETS[:turn]):
+                        base, pid = targets[name]
+                        u0, s0 = cpu_times(pid)
+                        r = run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], conc, args.seconds,
+                                    str(script))
+                        u1, s1 = cpu_times(pid)
+                        n = max(r["requests"], 1)
+                        r.update(target=name, rep=rep, conc=conc, rps=r["requests"] / (r["duration_us"] / 1e6),
+                                 user_us=(u1 - u0) / n * 1e6, sys_us=(s1 - s0) / n * 1e6)
+                        r["cpu_us"] = r["user_us"] + r["sys_us"]
+                        points.append(r)
+                        print(json.dumps(r), flush=True)
             if shutil.which("strace"):
-                for name, (base, pid) in targets.items():
-                    traced[name] = syscalls(pid, base + "/v1/chat/completions", str(script), 2.0)
+                for conc in args.conc:
+                    for name, (base, pid) in targets.items():
+                        traced[f"{name}@{conc}"] = syscalls(pid, base + "/v1/chat/completions", str(script), conc, 2.0)
         finally:
             stop_all(procs)
     cond["load_after"] = os.getloadavg()
@@ -136,32 +149,55 @@ def _per_round(points: list[dict], a: str, b: str, key: str = "cpu_us") -> list[
     return sorted(by[(a, r)] - by[(b, r)] for r in sorted({p["rep"] for p in points}) if (b, r) in by and (a, r) in by)
 
 
+def _syscalls_at(data: dict, conc: int) -> dict[str, dict]:
+    """The strace counts per target at one concurrency (a run before `--conc` traced c=64 only, keyed by target)."""
+    out = {}
+    for key, calls in (data.get("syscalls") or {}).items():
+        name, _, at = key.partition("@")
+        if int(at or 64) == conc:
+            out[name] = calls
+    return out
+
+
 def markdown(data: dict) -> str:
-    c, pts = data["conditions"], data["points"]
-    f = {t: {k: med([p[k] for p in pts if p["target"] == t]) for k in ("cpu_us", "user_us", "sys_us", "rps")}
-         for t in TARGETS if any(p["target"] == t for p in pts)}
-    sc = data.get("syscalls") or {}
+    c = data["conditions"]
+    concs = c.get("concurrency", [64])  # (runs before `--conc` measured c=64 alone)
+    build = c.get("build", "sources")
+    sc_any = bool(data.get("syscalls"))
+    threads = "2 threads, 1 at c=1" if 1 in concs else "2 threads"
     lines = ["# Where a request's CPU goes", "",
              run_line(c) + f"; {c['wrk']}.", "",
-             f"Non-streamed requests from wrk at c=64 (2 threads), {c['seconds']:g} s per target and round, "
-             f"{c['repeats']} rounds, the targets' order rotated between rounds; one zero-delay engine "
-             "(`benchmarks/fast_engine.py`, a 16-token reply); every target and wrk share the machine's cores. "
-             "The gateways run this tree with `benchmarks/overhead.py`'s config (API-key auth, JSON access log to "
-             "/dev/null, stats upkeep, the default shape policy), less what each row switches off. CPU per request = "
-             "the process's user and system time (/proc) over the requests wrk completed. Medians of the rounds, "
-             "± = (max-min)/median." + (" Syscalls per request: counted by strace over 2 s more of the same load "
-                                        "per target, after the rounds." if sc else " (strace was not installed: "
-                                                                                    "no syscall counts.)"), "",
-             "| target | CPU / request us | user us | system us | req/s | syscalls / request |",
-             "|---|---|---|---|---|---|"]
+             "Non-streamed requests from wrk (" + ", ".join(f"c={n}" for n in concs) + f"; {threads}), "
+             f"{c['seconds']:g} s per target, concurrency and round, {c['repeats']} rounds, the targets' order "
+             "rotated between rounds; one zero-delay engine (`benchmarks/fast_engine.py`, a 16-token reply); every "
+             f"target and wrk share the machine's cores. The gateways run {BUILDS[build]} of this tree with "
+             "`benchmarks/overhead.py`'s config (API-key auth, JSON access log to /dev/null, stats upkeep, the "
+             "default shape policy), less what each row switches off. CPU per request = the process's user and "
+             "system time (/proc) over the requests wrk completed. Medians of the rounds, ± = (max-min)/median."
+             + (" Syscalls per request: counted by strace over 2 s more of the same load per target and "
+                "concurrency, after the rounds." if sc_any else " (strace was not installed: no syscall counts.)"),
+             "", "What each switches off: " + "; ".join(f"**no {k}**: {v}" for k, v in FEATURES.items())
+             + ". References: " + "; ".join(f"**{k}**: {v}" for k, v in REFERENCES.items()) + ".", ""]
+    for conc in concs:
+        pts = [p for p in data["points"] if p.get("conc", 64) == conc]
+        lines += _section(conc, pts, _syscalls_at(data, conc), len(concs) > 1)
+    return "\n".join(lines)
+
+
+def _section(conc: int, pts: list[dict], sc: dict[str, dict], titled: bool) -> list[str]:
+    """One concurrency's table and what it says."""
+    f = {t: {k: med([p[k] for p in pts if p["target"] == t]) for k in ("cpu_us", "user_us", "sys_us", "rps")}
+         for t in TARGETS if any(p["target"] == t for p in pts)}
+    lines = [f"## c={conc}", ""] if titled else []
+    lines += ["| target | CPU / request us | user us | system us | req/s | syscalls / request |",
+              "|---|---|---|---|---|---|"]
     for t, v in f.items():
         calls = sc.get(t, {})
         top = ", ".join(f"{k} {n:.2f}" for k, n in sorted(calls.items(), key=lambda x: -x[1]) if n >= 0.05)
         lines.append(f"| {t} | {v['cpu_us'][0]:,.1f} (±{v['cpu_us'][1]:.0%}) | {v['user_us'][0]:,.1f} | "
                      f"{v['sys_us'][0]:,.1f} | {v['rps'][0]:,.0f} (±{v['rps'][1]:.0%}) | "
                      + (f"{sum(calls.values()):.2f} ({top})" if calls else "-") + " |")
-    lines += ["", "What each switches off: " + "; ".join(f"**no {k}**: {v}" for k, v in FEATURES.items())
-              + ". References: " + "; ".join(f"**{k}**: {v}" for k, v in REFERENCES.items()) + ".", ""]
+    lines.append("")
     reading = []
     if "defaults" in f:
         d = f["defaults"]["cpu_us"][0]
@@ -203,18 +239,20 @@ def markdown(data: dict) -> str:
         if "aiohttp proxy" in f:
             reading.append(f"- The aiohttp proxy: {f['aiohttp proxy']['cpu_us'][0]:,.1f} us per request, the "
                            f"defaults {d / f['aiohttp proxy']['cpu_us'][0]:.2f}x that.")
-    if sc:
-        totals = {t: sum(v.values()) for t, v in sc.items() if v}
-        if totals:
-            lo, hi = min(totals.items(), key=lambda x: x[1]), max(totals.items(), key=lambda x: x[1])
-            reading.append(f"- Syscalls per request range from {lo[1]:.2f} ({lo[0]}) to {hi[1]:.2f} ({hi[0]}).")
-    return "\n".join(lines + ["## Reading", "", *reading, ""])
+    totals = {t: sum(v.values()) for t, v in sc.items() if v}
+    if totals:
+        lo, hi = min(totals.items(), key=lambda x: x[1]), max(totals.items(), key=lambda x: x[1])
+        reading.append(f"- Syscalls per request range from {lo[1]:.2f} ({lo[0]}) to {hi[1]:.2f} ({hi[0]}).")
+    return lines + [f"### Reading (c={conc})" if titled else "## Reading", "", *reading, ""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conc", type=int, nargs="+", default=[64, 1], help="wrk's connections, each in every round")
+    ap.add_argument("--build", choices=list(BUILDS), default="compiled",
+                    help="the gateways' tree: compiled as the image runs it (default), or the plain sources")
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
     save_and_render("cpu_budget", None if args.render else measure(args), markdown)
