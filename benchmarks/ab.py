@@ -42,7 +42,7 @@ USERS = 400
 
 
 def config(mode: str, ports: list[int]) -> dict:
-    from gateway.auth import hash_key
+    from gateway.keys.auth import hash_key
 
     backends = [{"id": bid, "engine": engine, "url": f"http://127.0.0.1:{port}", "models": [W.MODEL]}
                 for (bid, engine, _), port in zip(ENGINES, ports)]

@@ -6,7 +6,7 @@
 # at a time. For every request it records:
 #
 #   client    TTFT seen by the client (request sent -> first content event)
-#   gateway   the gateway's own sample (gateway.state pool -> backend.stats.samples): TTFT from the
+#   gateway   the gateway's own sample (gateway.routing.affinity pool -> backend.stats.samples): TTFT from the
 #             upstream send to the first token event, ITL = (last - first token event) / (tokens - 1)
 #   engine    llama.cpp: `timings.prompt_ms` and predicted_ms / (predicted_n - 1) from the stream's
 #             last chunk; vLLM: the per-request delta of the `vllm:time_to_first_token_seconds` and
@@ -36,7 +36,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
 
-from gateway.relay import is_token_event  # noqa: E402
+from gateway.routing.relay import is_token_event  # noqa: E402
 from tests.e2e import wire  # noqa: E402
 from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server  # noqa: E402
 from tests.e2e.targets import PUBLIC_MODEL, backend, config, last_sample  # noqa: E402

@@ -37,7 +37,7 @@ TARGET_CPU_US, TARGET_P50_MS = 10.0, 0.3
 
 
 def gateway_config(path: Path, engine: str, limits: bool, redis: bool, prefix: str, health: str = "") -> Path:
-    from gateway.auth import hash_key
+    from gateway.keys.auth import hash_key
     state = f'[state]\nbackend = "redis"\nredis_url = "{REDIS_URL}"\nkey_prefix = "{prefix}"\n' if redis else ""
     path.write_text(f"""[server]
 access_log = false
@@ -75,7 +75,7 @@ def drive(args, tmp: Path, prefix: str) -> list[dict]:
         for name, (limits, redis) in TARGETS.items():
             cfg = gateway_config(tmp / f"{name}.toml", engine, limits, redis, prefix)
             gp = free_port()
-            p = start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(gp)], procs,
+            p = start([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(gp)], procs,
                       f"http://127.0.0.1:{gp}/readyz")
             gws[name] = (p.pid, f"http://127.0.0.1:{gp}/v1/chat/completions")
         for _, url in gws.values():  # imports, connections, caches: warm every gateway before measuring any
@@ -111,7 +111,7 @@ def same_process(args, tmp: Path, engine: str, script: str, procs: list) -> list
     cfg, port = tmp / "switch.toml", free_port()
     base = f"http://127.0.0.1:{port}"
     gateway_config(cfg, engine, False, False, "")
-    pid = start([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)], procs,
+    pid = start([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)], procs,
                 base + "/readyz").pid
     run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 4, 1.0, script)
     points = []
@@ -132,12 +132,12 @@ def same_process(args, tmp: Path, engine: str, script: str, procs: list) -> list
 async def in_process(n: int, repeats: int, prefix: str) -> dict:
     """Microseconds per request of the limiter alone (plan, reserve, headers, settle), best of `repeats` runs of
     `n`: local buckets, and the Redis script over the loopback at one request at a time (a round trip each)."""
-    from gateway.auth import Principal
+    from gateway.keys.auth import Principal
     from gateway.config import LimitsConfig, StateConfig
-    from gateway.limits import Limiter
-    from gateway.limits_redis import SharedBuckets
-    from gateway.metrics import Metrics
-    from gateway.request import RequestState
+    from gateway.limits.limiter import Limiter
+    from gateway.limits.redis_buckets import SharedBuckets
+    from gateway.observe.metrics import Metrics
+    from gateway.routing.request import RequestState
 
     cfg = LimitsConfig(rpm=10**9, tpm=10**12)
     who = Principal("bench", admin=False)

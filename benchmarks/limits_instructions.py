@@ -87,7 +87,7 @@ def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
     out_dir.mkdir()
     p = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                           f"--callgrind-out-file={out_dir}/callgrind.out.%p",
-                          sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                          sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     points: list[dict] = []
     idles: list[dict] = []
@@ -127,7 +127,7 @@ def native(args, tmp: Path, engine: str) -> list[dict]:
     off, the same client."""
     cfg, port = tmp / "native.toml", free_port()
     config(cfg, engine, False)
-    p = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+    p = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = []
     try:

@@ -66,7 +66,7 @@ def measure(args) -> dict:
                 gport = free_port()
                 cfg = write_gateway_config(tmp / f"{name}.toml", engine,
                                            server=f"gc_freeze = {str(name == 'frozen').lower()}")
-                p = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg),
+                p = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg),
                                       "--port", str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
                 procs.append(p)

@@ -96,7 +96,7 @@ def write_gateway_config(path: Path, engine_url: str, access_log: bool = True, s
                          server: str = "", sections: str = "", stats_lines: str = "") -> Path:
     """The gateway config the benchmarks run: one backend, one key; logging and stats upkeep vary, and a
     benchmark may add `[server]` and `[stats]` lines and whole sections of its own."""
-    from gateway.auth import hash_key
+    from gateway.keys.auth import hash_key
     path.write_text(f"""
 [server]
 access_log = {str(access_log).lower()}
@@ -132,10 +132,10 @@ def export_revision(ref: str, dest: Path) -> str:
     return rev
 
 
-# `python -m gateway.cli`, less the editable install's finder: it sits last on sys.meta_path and would hand a
+# `python -m gateway.cli.main`, less the editable install's finder: it sits last on sys.meta_path and would hand a
 # baseline the work tree's copy of any module the baseline lacks (an optional `try: import` is enough).
 LAUNCH = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '')"
-          ".startswith('__editable__')]; runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)")
+          ".startswith('__editable__')]; runpy.run_module('gateway.cli.main', run_name='__main__', alter_sys=True)")
 
 
 def start_gateway(src: Path, cfg: Path, log: Path, procs: list) -> tuple[str, int]:
@@ -237,7 +237,7 @@ def stats_gateway(tmp: Path, engine_url: str, stats: bool) -> tuple[subprocess.P
     port = free_port()
     cfg = write_gateway_config(tmp / f"stats-{'on' if stats else 'off'}.toml", engine_url, access_log=False,
                                stats=stats)
-    gw = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+    gw = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     wait_http(f"http://127.0.0.1:{port}/readyz")
     return gw, f"http://127.0.0.1:{port}"

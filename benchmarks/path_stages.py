@@ -25,11 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # (label, module, attribute): the callables whose entry opens a stage, roughly in the order a request meets them.
 # A function is stamped where its callers look it up: a module's global, or a class's attribute.
 STAGES = (
-    ("request bytes in", "gateway.connection", "FrontConnection.data_received"),
-    ("request's task runs", "gateway.connection", "serve_api"),
+    ("request bytes in", "gateway.http.connection", "FrontConnection.data_received"),
+    ("request's task runs", "gateway.http.connection", "serve_api"),
     ("pipeline", "gateway.pipeline", "handle"),
     ("classify", "gateway.pipeline", "classify"),
-    ("candidates", "gateway.pool", "Pool.candidates"),
+    ("candidates", "gateway.fleet.pool", "Pool.candidates"),
     ("fitting", "gateway.pipeline", "fitting"),
     ("admission", "gateway.pipeline", "admit"),
     ("policy rank", "policies.shape", "Shape.rank"),
@@ -42,7 +42,7 @@ STAGES = (
     ("stream relay", "gateway.pipeline", "stream_reply"),
     ("usage", "gateway.pipeline", "usage_of"),
     ("reply headers", "gateway.runtime", "Gateway.reply_headers"),
-    ("client write", "gateway.connection", "FrontConnection.send_now"),
+    ("client write", "gateway.http.connection", "FrontConnection.send_now"),
     ("record", "gateway.runtime", "Gateway.record"),
     ("finish", "gateway.runtime", "Gateway.finish"),
 )
@@ -95,7 +95,7 @@ def serve(cfg: str, port: int, out: str) -> None:
             f.write(json.dumps(stamps.take()) + "\n")
 
     signal.signal(signal.SIGUSR1, dump)
-    from gateway.cli import main
+    from gateway.cli.main import main
     main(["serve", "--config", cfg, "--port", str(port)])
 
 

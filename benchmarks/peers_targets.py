@@ -185,7 +185,7 @@ def start_engines(n: int, tmp: Path) -> list[tuple[str, subprocess.Popen]]:
 
 def shapegate_config(path: Path, engines: list[str]) -> Path:
     """The configuration of benchmarks/overhead.py (one key, access log on, no warm-up request), two backends."""
-    from gateway.auth import hash_key
+    from gateway.keys.auth import hash_key
     backends = "".join(f'[[backends]]\nid = "engine-{i + 1}"\nengine = "openai"\nurl = "{u}"\nmodels = ["bench"]\n'
                        for i, u in enumerate(engines))
     path.write_text(f'[server]\naccess_log = true\n[[auth.keys]]\nid = "bench"\nsha256 = "{hash_key(KEY)}"\n'
@@ -210,10 +210,10 @@ def compiled_tree(tmp: Path) -> Path:
 def start_shapegate(tmp: Path, engines: list[str], workers: int, compiled: bool = True) -> Target:
     """shapegate as the image runs it (compiled), or from its plain sources; `python -m` in the tree's directory
     imports that tree's modules."""
-    from gateway.cli import version
+    from gateway.cli.main import version
     port = free_port()
     cfg = shapegate_config(tmp / "shapegate.toml", engines)
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)]
+    cmd = [sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)]
     if workers > 1:
         cmd += ["--workers", str(workers)]
     url = f"http://127.0.0.1:{port}"
@@ -223,7 +223,7 @@ def start_shapegate(tmp: Path, engines: list[str], workers: int, compiled: bool 
     label = "shapegate" if workers == 1 else f"shapegate --workers {workers}"
     where = "in a copy compiled by deploy/compile.py" if compiled else "from the uncompiled sources"
     return Target(tid, label if compiled else "shapegate, uncompiled", url, proc, version(),
-                  "python3 -m gateway.cli serve --config CFG" + (f" --workers {workers}" if workers > 1 else "")
+                  "python3 -m gateway.cli.main serve --config CFG" + (f" --workers {workers}" if workers > 1 else "")
                   + f" ({where})", log)
 
 

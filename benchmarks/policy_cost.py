@@ -23,8 +23,8 @@ from pathlib import Path
 import policies
 from gateway.config import ShapeConfig
 from gateway.contracts import BackendView, LatencyEstimate, LoadSample, RouteInput
-from gateway.shape import classify, session_of
-from gateway.state import AffinityIndex
+from gateway.routing.shape import classify, session_of
+from gateway.routing.affinity import AffinityIndex
 
 RESULTS = Path(__file__).parent / "results"
 TARGET_US = 50.0

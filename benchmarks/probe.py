@@ -26,7 +26,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
 
 from gateway.config import GatewayConfig, parse_config  # noqa: E402
-from gateway.probe import probe_all, render  # noqa: E402
+from gateway.fleet.probe import probe_all, render  # noqa: E402
 from gateway.runtime import build_policy  # noqa: E402
 from gateway.sim.runner import SimOptions, start_sim  # noqa: E402
 from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, start_llama_server, start_vllm_server  # noqa: E402

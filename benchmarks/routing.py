@@ -85,7 +85,7 @@ async def _sims(ports: list[int], engines: list[tuple[str, str]]) -> None:
 
 
 def serve_gateway(cfg: dict, port: int) -> None:
-    from gateway.cli import serve_until_signal
+    from gateway.cli.main import serve_until_signal
     from gateway.config import parse_config
     from gateway.runtime import build_policy
 

@@ -21,12 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # a policy keeps its Params in a module of its own, as policies/shape_params.py), the engine adapters (compiled
 # classes cannot be subclassed from plain Python), and what runs off the request path.
 COMPILED = (
-    "gateway/pipeline.py", "gateway/connection.py", "gateway/exchange.py", "gateway/relay.py",
-    "gateway/shape.py", "gateway/runtime.py", "gateway/context.py", "gateway/admission.py",
-    "gateway/failover.py", "gateway/request.py", "gateway/stats.py", "gateway/pool.py", "gateway/auth.py",
-    "gateway/request_head.py", "gateway/headers.py", "gateway/errors.py", "gateway/front.py", "gateway/metrics.py",
-    "gateway/contracts.py", "gateway/health.py", "gateway/limits.py", "gateway/state.py", "gateway/experiments.py",
-    "gateway/hot_settings.py", "gateway/lean_metrics.py",
+    "gateway/pipeline.py", "gateway/http/connection.py", "gateway/http/exchange.py", "gateway/routing/relay.py",
+    "gateway/routing/shape.py", "gateway/runtime.py", "gateway/routing/context.py", "gateway/routing/admission.py",
+    "gateway/routing/failover.py", "gateway/routing/request.py", "gateway/stats/rolling.py", "gateway/fleet/pool.py", "gateway/keys/auth.py",
+    "gateway/http/request_head.py", "gateway/http/headers.py", "gateway/errors.py", "gateway/http/front.py", "gateway/observe/metrics.py",
+    "gateway/contracts.py", "gateway/fleet/health.py", "gateway/limits/limiter.py", "gateway/routing/affinity.py", "gateway/experiments/experiment.py",
+    "gateway/hot_settings.py", "gateway/observe/lean_metrics.py",
     "backends/http1.py", "backends/http1_response.py", "backends/slots.py", "policies/shape.py",
 )
 PACKAGES = ("gateway", "backends", "policies")
@@ -35,7 +35,7 @@ SKIP = shutil.ignore_patterns(".git", "__pycache__", "build", "*.so", "*.egg-inf
 
 def compiled_files(tree: Path) -> list[Path]:
     """The compiled modules now in `tree` (each package's *.so, and mypyc's shared library at the top)."""
-    return [p for d in ("", *PACKAGES) for p in (tree / d).glob("*.so")]
+    return [*tree.glob("*.so"), *(p for d in PACKAGES for p in (tree / d).rglob("*.so"))]
 
 
 def clean(tree: Path) -> None:

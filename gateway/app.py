@@ -18,19 +18,19 @@ from aiohttp import web
 from gateway.config import GatewayConfig, StateConfig
 from gateway.dashboard import session_principal, setup_dashboard
 from gateway.errors import GatewayError
-from gateway.experiment_admin import EXPERIMENT_SHARE, change_experiment, list_experiments
-from gateway.experiment_share import ExperimentShare
-from gateway.experiment_share import share_loop as experiment_share_loop
-from gateway.health import load_loop, probe_loop
-from gateway.key_admin import create_key, list_keys, revoke_key
-from gateway.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
-from gateway.request import GATEWAY
-from gateway.reload import RELOADER, Reloader, admin_reload
-from gateway.replica_sync import ReplicaSync
+from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
+from gateway.experiments.share import ExperimentShare
+from gateway.experiments.share import share_loop as experiment_share_loop
+from gateway.fleet.health import load_loop, probe_loop
+from gateway.ops.admin_keys import create_key, list_keys, revoke_key
+from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
+from gateway.routing.request import GATEWAY
+from gateway.ops.reload import RELOADER, Reloader, admin_reload
+from gateway.ops.replica_sync import ReplicaSync
 from gateway.runtime import Gateway, stats_report
-from gateway.state import AffinityIndex, RedisStore, StateStore, sync_loop
-from gateway.stats_merge import fold_counters, replicas_report, take_summary
-from gateway.stats_share import share_loop
+from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
+from gateway.stats.merge import fold_counters, replicas_report, take_summary
+from gateway.stats.share import share_loop
 
 log = logging.getLogger("shapegate")
 
@@ -264,7 +264,7 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app = web.Application(client_max_size=cfg.server.max_body_bytes, handler_args={"tcp_keepalive": True})
     app[GATEWAY] = Gateway(cfg)
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
-    r = app.router  # the API routes themselves are served by the front (gateway/front.py)
+    r = app.router  # the API routes themselves are served by the front (gateway/http/front.py)
     r.add_get("/v1/models", guarded(models))
     # Liveness and readiness answer without a key (orchestrators); /metrics asks for an admin key itself
     # when configured to (read per scrape, so that a reload applies).

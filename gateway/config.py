@@ -24,7 +24,7 @@ class ServerConfig(Strict):
     shutdown_grace_s: float = Field(30.0, ge=0)
     access_log: bool = True
     keepalive_s: float = Field(75.0, gt=0)
-    # Limits on what a client sends before its request is served (431, 408; see gateway/front.py).
+    # Limits on what a client sends before its request is served (431, 408; see gateway/http/front.py).
     max_head_bytes: int = Field(32 * 1024, ge=1024)
     max_headers: int = Field(100, ge=8)
     head_timeout_s: float = Field(15.0, gt=0)
@@ -37,7 +37,7 @@ class ServerConfig(Strict):
     # Connections in the middle of sending a request head or body; past it the oldest one gets a 408.
     max_reading_connections: int = Field(1024, ge=1)
     # Start-up's objects frozen out of garbage collection before serving, and the young generation sized for
-    # the requests in flight (gateway/loop_watch.py).
+    # the requests in flight (gateway/observe/loop_watch.py).
     gc_freeze: bool = True
 
 

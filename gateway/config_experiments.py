@@ -16,7 +16,7 @@ class ArmConfig(Strict):
 
 
 class ExperimentConfig(Strict):
-    """Arms of one public model's backends compared on live traffic (see gateway/experiments.py)."""
+    """Arms of one public model's backends compared on live traffic (see gateway/experiments/experiment.py)."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     model: str = Field(min_length=1)
@@ -61,13 +61,13 @@ class ExperimentConfig(Strict):
         return self
 
 
-# What the support probe (gateway/probe_checks.py) tries on each backend, in this order.
+# What the support probe (gateway/fleet/probe_checks.py) tries on each backend, in this order.
 PROBE_CHECKS = ("answers", "chat", "completions", "stream", "stream_usage", "n", "tools", "json_schema",
                 "logprobs", "context")
 
 
 class ProbeConfig(Strict):
-    # Run the support probe (gateway/probe.py) when a backend becomes ready, and stop routing a model to a
+    # Run the support probe (gateway/fleet/probe.py) when a backend becomes ready, and stop routing a model to a
     # backend that fails one of the `require`d checks for it.
     at_start: bool = False
     timeout_s: float = Field(20.0, gt=0)

@@ -8,23 +8,25 @@ from typing import TYPE_CHECKING, Any, Final, Iterator
 
 import orjson
 
-from gateway import experiments, shadow
-from gateway.admission import admit
-from gateway.context import fitting
+from gateway.experiments import experiment as experiments
+
+from gateway.experiments import shadow
+from gateway.routing.admission import admit
+from gateway.routing.context import fitting
 from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATHS, BackendView, Decision, Outcome,
                                ReplyTooLarge, RequestShape, RouteInput, UpstreamCall, UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
-from gateway.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
+from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
                               charge_timeout, settle)
-from gateway.headers import trace_headers, valid_request_id
-from gateway.limits import reservation_headers
-from gateway.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
-from gateway.request import Exchange, RequestState
-from gateway.shape import classify, session_of
+from gateway.http.headers import trace_headers, valid_request_id
+from gateway.limits.limiter import reservation_headers
+from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
+from gateway.routing.request import Exchange, RequestState
+from gateway.routing.shape import classify, session_of
 
 if TYPE_CHECKING:  # the runtime imports this module's callers, never this module: no cycle at run time
-    from gateway.pool import BackendState
+    from gateway.fleet.pool import BackendState
     from gateway.runtime import Gateway
 
 REQUIRED: Final = {"chat": "messages", "completions": "prompt", "embeddings": "input"}

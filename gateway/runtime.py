@@ -17,23 +17,23 @@ import orjson
 import backends
 import policies
 from backends.slots import Slots
-from gateway.auth import Authenticator
+from gateway.keys.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.context import PromptSizer
-from gateway.experiments import ARM_HEADER, PRIMARY, Experiments
+from gateway.routing.context import PromptSizer
+from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
-from gateway.headers import safe_value
+from gateway.http.headers import safe_value
 from gateway.hot_settings import HotSettings
-from gateway.keystore import KeyStore
-from gateway.limits import Limiter
-from gateway.limits_redis import SharedBuckets
-from gateway.metrics import Metrics
-from gateway.request import RequestState
-from gateway.pool import BackendState, Pool
-from gateway.state import AffinityIndex
-from gateway.stats import OutputEstimator, Tally
-from gateway.stats_merge import group_report
-from gateway.stats_share import Sharing
+from gateway.keys.keystore import KeyStore
+from gateway.limits.limiter import Limiter
+from gateway.limits.redis_buckets import SharedBuckets
+from gateway.observe.metrics import Metrics
+from gateway.routing.request import RequestState
+from gateway.fleet.pool import BackendState, Pool
+from gateway.routing.affinity import AffinityIndex
+from gateway.stats.rolling import OutputEstimator, Tally
+from gateway.stats.merge import group_report
+from gateway.stats.share import Sharing
 
 SAFE_UPSTREAM_HEADERS: Final = ("content-type",)
 MAX_PENDING_LINES: Final = 50_000  # access-log lines held while stdout does not take them; the oldest go first
@@ -163,8 +163,8 @@ class Gateway:
         # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
         self.tally = Tally()
         self.experiments = Experiments(cfg.experiments)
-        self.shadow_tasks: set = set()  # copies in flight (gateway/shadow.py): cancelled at shutdown
-        # The last /admin/experiments report (gateway/experiment_admin.py): (its key, when, the report).
+        self.shadow_tasks: set = set()  # copies in flight (gateway/experiments/shadow.py): cancelled at shutdown
+        # The last /admin/experiments report (gateway/ops/admin_experiments.py): (its key, when, the report).
         self.experiments_cache: tuple[tuple, float, dict] | None = None
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.limiter = self._limiter(cfg)
@@ -387,5 +387,5 @@ class RequestIds:
 
 def stats_report(gw: Gateway) -> dict:
     """The JSON feed behind /stats and the dashboard: rolling per-backend and per-class figures of this
-    process group (every worker of `serve --workers N`, merged; see gateway.stats_merge)."""
+    process group (every worker of `serve --workers N`, merged; see gateway.stats.merge)."""
     return group_report(gw)

@@ -9,10 +9,10 @@ from typing import Any
 import aiohttp
 
 from gateway.app import build_app
-from gateway.auth import hash_key
+from gateway.keys.auth import hash_key
 from gateway.config import parse_config
-from gateway.front import Front, start_serving
-from gateway.request import GATEWAY
+from gateway.http.front import Front, start_serving
+from gateway.routing.request import GATEWAY
 from gateway.runtime import build_policy
 
 USER_KEY = "sk-test-user-key"

@@ -159,7 +159,7 @@ def sim_proc(engine: str, port: int | None = None, *extra: str) -> Proc:
 
 def gateway_proc(config_path: Path, port: int | None = None, log: Path | None = None) -> Proc:
     port = port or free_port()
-    return Proc([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
+    return Proc([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config_path), "--port", str(port)],
                 port, "/readyz", log)
 
 

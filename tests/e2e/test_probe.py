@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_config
-from gateway.probe import probe_all, render
+from gateway.fleet.probe import probe_all, render
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
-from gateway.probe_checks import NO, YES
+from gateway.fleet.probe_checks import NO, YES
 from gateway.runtime import build_policy
 from tests.e2e.engines import EngineHandle
 from tests.e2e.targets import PUBLIC_MODEL, backend

@@ -15,7 +15,7 @@ import orjson
 import redis.asyncio as redis_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.shape import session_key
+from gateway.routing.shape import session_key
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.needs import REDIS_URL, skip_or_fail

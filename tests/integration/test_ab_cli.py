@@ -18,7 +18,7 @@ from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_c
 from tests.procs import ROOT
 
 # `shapegate ab`, as an installed console script runs it.
-COMMAND = ("-m", "gateway.cli", "ab")
+COMMAND = ("-m", "gateway.cli.main", "ab")
 REQUESTS = 80  # u0..u79 split 41/39: both arms past the 30 samples a verdict needs
 
 

@@ -20,9 +20,9 @@ OPEN = {"auth": {"enabled": False}}
 
 async def shapegate(*args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
                     timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run `python -m gateway.cli ARGS` (without blocking this loop's engines); (exit status, stdout, stderr)."""
+    """Run `python -m gateway.cli.main ARGS` (without blocking this loop's engines); (exit status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        *prefix, sys.executable, "-m", "gateway.cli", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        *prefix, sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -8,7 +8,7 @@ import time
 import aiohttp
 
 from gateway.contracts import READY, UNHEALTHY
-from gateway.health import OPEN
+from gateway.fleet.health import OPEN
 from tests.gateway_harness import gateway_config, start_gateway
 from tests.integration.failover_kit import ask, backend, every_class, first_content, sim, until, AUTH, MSG
 from tests.procs import sim_proc

@@ -15,9 +15,9 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import hash_key
+from gateway.keys.auth import hash_key
 from gateway.config import KeyLimits
-from gateway.reload import RELOADER
+from gateway.ops.reload import RELOADER
 from tests.fake_engine import FakeEngine, Knobs, free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.needs import skip_or_fail
@@ -210,7 +210,7 @@ async def keys_cli(*args: str, admin_key: str | None = ADMIN_KEY) -> tuple[int, 
     if admin_key is not None:
         env["SHAPEGATE_ADMIN_KEY"] = admin_key
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "keys", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        sys.executable, "-m", "gateway.cli.main", "keys", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     return proc.returncode, out.decode(), err.decode()

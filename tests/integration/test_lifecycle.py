@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from gateway.reload import RELOADER
+from gateway.ops.reload import RELOADER
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import gateway_config, start_gateway
 from tests.integration.failover_kit import ADMIN, AUTH, MSG, ask, first_content, stream_ending, until

@@ -13,9 +13,9 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.auth import hash_key
+from gateway.keys.auth import hash_key
 from gateway.config import ShapeConfig
-from gateway.shape import classify
+from gateway.routing.shape import classify
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.integration.test_metrics import scrape

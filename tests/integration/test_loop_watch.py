@@ -7,7 +7,7 @@ import gc
 
 import aiohttp
 
-from gateway.loop_watch import YOUNG_THRESHOLD
+from gateway.observe.loop_watch import YOUNG_THRESHOLD
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, gateway_config, start_gateway
 from tests.integration.test_metrics import Scrape
@@ -50,7 +50,7 @@ def test_a_collection_inside_a_metric_lock_does_not_wait_for_that_lock():
     # multiprocess values take a non-reentrant one): the callback must not need that lock then.
     import threading
 
-    from gateway.loop_watch import GcWatch
+    from gateway.observe.loop_watch import GcWatch
 
     lock = threading.Lock()
     seen: list[tuple[int, float]] = []

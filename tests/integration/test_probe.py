@@ -28,9 +28,9 @@ SIM_WINDOWS = {"vllm": 4096, "sglang": 4096, "llamacpp": 2048}
 
 
 async def shapegate(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, str, str]:
-    """`python -m gateway.cli ARGS` as a process, this loop's engines serving meanwhile: (status, stdout, stderr)."""
+    """`python -m gateway.cli.main ARGS` as a process, this loop's engines serving meanwhile: (status, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from gateway.auth import hash_key
+from gateway.keys.auth import hash_key
 from gateway.runtime import AccessLog
 from tests.fake_engine import FakeEngine, Knobs, free_port
 from tests.gateway_harness import (gateway_config)
@@ -183,7 +183,7 @@ async def gateway_process(tmp_path, cfg: dict, nofile: int | None = None) -> Gat
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         preexec_fn=limit_files if nofile is not None else None)
     gp = GatewayProcess(proc, port)

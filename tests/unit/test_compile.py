@@ -32,11 +32,11 @@ def test_the_suite_runs_the_build_it_was_told_to():
 
 def _tree(tmp_path):
     """A tree holding the gateway package's __init__ (the guard) and one module, with a stand-in compiled file."""
-    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "routing").mkdir(parents=True)
     shutil.copy(ROOT / "gateway" / "__init__.py", tmp_path / "gateway" / "__init__.py")
-    source = tmp_path / "gateway" / "relay.py"
+    source = tmp_path / "gateway" / "routing" / "relay.py"
     source.write_text("X = 1\n")
-    so = tmp_path / "gateway" / "relay.cpython-311-x86_64-linux-gnu.so"
+    so = tmp_path / "gateway" / "routing" / "relay.cpython-311-x86_64-linux-gnu.so"
     so.write_bytes(b"")  # never loaded: the package's __init__ refuses first, or nothing imports it
     return source, so
 
@@ -52,7 +52,7 @@ def test_a_compiled_module_older_than_its_source_stops_the_import(tmp_path):
     os.utime(source, (2_000_000, 2_000_000))
     done = _import_gateway(tmp_path)
     assert done.returncode != 0
-    assert "gateway/relay.py is newer than its compiled module" in done.stderr
+    assert "gateway/routing/relay.py is newer than its compiled module" in done.stderr
     assert "deploy/compile.py" in done.stderr
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import ConfigError, load_config, parse_config
-from gateway.reload import Reloader
+from gateway.ops.reload import Reloader
 from gateway.runtime import Gateway, build_policy
 
 BACKEND = {"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.context import START_HIGH, START_LOW, PromptSizer, prompt_tokens_of
+from gateway.routing.context import START_HIGH, START_LOW, PromptSizer, prompt_tokens_of
 from gateway.contracts import RequestShape
 from gateway.errors import normalize_engine_error
 

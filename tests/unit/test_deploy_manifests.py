@@ -33,11 +33,11 @@ from deploy.compose_plan import (
 )
 from deploy.config_watch import _config_arg
 from deploy.run_local import levels
-from gateway.auth import hash_key
-from gateway.cli import read_config
+from gateway.keys.auth import hash_key
+from gateway.cli.main import read_config
 from gateway.config import GatewayConfig
-from gateway.lifecycle import CUT_MARGIN_S
-from gateway.metrics import POOL_GAUGES
+from gateway.ops.lifecycle import CUT_MARGIN_S
+from gateway.observe.metrics import POOL_GAUGES
 from tests.needs import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_local_mirror_keeps_the_compose_ports_replicas_and_config():
     # Started dependencies first and stopped dependents first, a level at a time, as compose does.
     assert levels(svcs, start_order(svcs)) == [["redis", "vllm-0", "sglang-0", "llama-0"], ["gateway-1", "gateway-2"]]
     argv = local_argv(svcs["gateway-2"], ports["gateway-2"], Path("/tmp/g.toml"))
-    assert argv[1:5] == ["-m", "gateway.cli", "serve", "--config"] and option(argv, "--port") == "8081"
+    assert argv[1:5] == ["-m", "gateway.cli.main", "serve", "--config"] and option(argv, "--port") == "8081"
     addresses = {name: (listen_port(s), ports[name]) for name, s in svcs.items()}
     text = render_config((DEPLOY / "config" / "gateway.toml").read_text(), addresses, "test:")
     data = tomllib.loads(text)
@@ -279,7 +279,7 @@ def test_hpa_scales_on_a_gateway_gauge_the_adapter_rule_serves():
     (rule,) = [r for r in rules if r["name"]["as"] == name]
     series = rule["seriesQuery"].split("{")[0].strip("'\" ")
     gauges = {g[0]: g[2] for g in POOL_GAUGES}
-    assert series in gauges, f"{series} is not a gauge of gateway/metrics.py"
+    assert series in gauges, f"{series} is not a gauge of gateway/observe/metrics.py"
     assert series == "shapegate_in_flight" and "backend" in gauges[series]  # summed per pod by the rule
     assert "sum(" in rule["metricsQuery"] and set(rule["resources"]["overrides"]) == {"namespace", "pod"}
 
@@ -330,7 +330,7 @@ def test_dockerfile_ships_what_compose_and_kubernetes_run():
 
 @pytest.mark.parametrize(("argv", "want"), [
     (["/usr/local/bin/python", "/usr/local/bin/shapegate", "serve", "--config", "/etc/s/g.toml"], "/etc/s/g.toml"),
-    (["python", "-m", "gateway.cli", "serve", "--port", "1", "--config=/x.toml"], "/x.toml"),
+    (["python", "-m", "gateway.cli.main", "serve", "--port", "1", "--config=/x.toml"], "/x.toml"),
     (["/usr/local/bin/shapegate", "check", "--config", "/etc/s/g.toml"], None),
     (["python", "config_watch.py", "--config", "/etc/s/g.toml"], None),
     (["vim", "serve", "--config", "/etc/s/g.toml"], None),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gateway.config import LatencyHints
 from gateway.contracts import LoadSample
-from gateway.engine_latency import ALPHA, EngineLatency
-from gateway.stats import COLD_SAMPLES, LatencyModel
+from gateway.fleet.engine_latency import ALPHA, EngineLatency
+from gateway.stats.rolling import COLD_SAMPLES, LatencyModel
 
 
 def test_interval_means_between_scrapes_and_a_restart():

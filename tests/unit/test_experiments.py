@@ -6,7 +6,7 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.contracts import OK, Outcome, RequestShape
-from gateway.experiments import ALL, Experiment, Experiments, bucket, check_change
+from gateway.experiments.experiment import ALL, Experiment, Experiments, bucket, check_change
 from gateway.runtime import build_policy
 
 

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Metrics
+from gateway.observe.metrics import Metrics
 from gateway.config import LatencyHints
 from gateway.contracts import ENGINE_ERROR, OK, LoadSample
-from gateway.stats import LatencyModel
+from gateway.stats.rolling import LatencyModel
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-shapegate.json"
 METRIC = re.compile(r"\bshapegate_[a-z0-9_]+")

@@ -12,10 +12,10 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.auth import Authenticator, hash_key
+from gateway.keys.auth import Authenticator, hash_key
 from gateway.config import AuthConfig, KeyLimits, StateConfig
-from gateway.key_backends import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys
-from gateway.keystore import KeyExists, KeyNotFound, KeyStore, StoreUnavailable
+from gateway.keys.storage import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys
+from gateway.keys.keystore import KeyExists, KeyNotFound, KeyStore, StoreUnavailable
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
 CONFIG = AuthConfig(keys=[{"id": "ops", "sha256": hash_key("k-ops"), "admin": True}])

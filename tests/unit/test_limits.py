@@ -6,15 +6,15 @@ import random
 
 import pytest
 
-from gateway.auth import Principal
+from gateway.keys.auth import Principal
 from gateway.config import KeyLimits, LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.errors import GatewayError
-from gateway.limits import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, duration_ms, headers,
+from gateway.limits.limiter import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, duration_ms, headers,
                             plan_lines, reservation_headers, reset_text, used_tokens)
-from gateway.metrics import Metrics
-from gateway.request import RequestState
-from gateway.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
+from gateway.observe.metrics import Metrics
+from gateway.routing.request import RequestState
+from gateway.limits.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
 
 
 class Clock:

@@ -7,7 +7,7 @@ from prometheus_client import values as value_store
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.lean_metrics import LeanCollector, LeanCounter, LeanFiles, LeanHistogram
+from gateway.observe.lean_metrics import LeanCollector, LeanCounter, LeanFiles, LeanHistogram
 
 
 def samples(registry: CollectorRegistry) -> set[tuple]:

@@ -8,7 +8,7 @@ import random
 import orjson
 import pytest
 
-from gateway.relay import ModelRewrite, SSERelay, StreamMeter, is_token_event
+from gateway.routing.relay import ModelRewrite, SSERelay, StreamMeter, is_token_event
 
 
 class Sink:

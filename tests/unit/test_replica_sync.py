@@ -7,10 +7,10 @@ import pytest
 
 from gateway.config import BackendConfig, GatewayConfig, LatencyHints
 from gateway.contracts import DEFAULT, Outcome, RequestShape
-from gateway.health import CLOSED, HALF_OPEN, OPEN, Breaker
-from gateway.pool import BackendState, Pool
-from gateway.replica_sync import BreakerShare, LatencyShare
-from gateway.stats import LatencyModel
+from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker
+from gateway.fleet.pool import BackendState, Pool
+from gateway.ops.replica_sync import BreakerShare, LatencyShare
+from gateway.stats.rolling import LatencyModel
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)
 CFG = GatewayConfig(auth={"enabled": False}, backends=[

@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.relay import model_value, usage_of
+from gateway.routing.relay import model_value, usage_of
 
 # What the model scan must find, said as a regular expression (slower: a search costs instructions per byte).
 MODEL = re.compile(rb'"model":\s*("(?:[^"\\]|\\.)*")', re.DOTALL)

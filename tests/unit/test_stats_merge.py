@@ -11,14 +11,14 @@ from collections import deque
 import orjson
 import pytest
 
-from gateway import sketch
+from gateway.stats import sketch
 from gateway.config import StateConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, DEFAULT, ENGINE_ERROR, OK, REJECTED, Outcome, RequestShape
-from gateway.health import Breaker
+from gateway.fleet.health import Breaker
 from gateway.runtime import request_result
-from gateway.stats import BackendStats, Tally
-from gateway.stats_merge import render
-from gateway.stats_share import STALE_S, STATS_DIR_ENV, Sharing
+from gateway.stats.rolling import BackendStats, Tally
+from gateway.stats.merge import render
+from gateway.stats.share import STALE_S, STATS_DIR_ENV, Sharing
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)
 FIT = {"ttft_t0": 0.01, "prefill_rate": 1e4, "itl_a": 0.005, "itl_b": 0.0, "samples": 0, "ttft_per_running": 0.0,

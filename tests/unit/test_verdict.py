@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from gateway.verdict import METRICS, Reservoir, compare, describe, summary
+from gateway.experiments.verdict import METRICS, Reservoir, compare, describe, summary
 
 VERDICTS = {"a_better", "b_better", "no_difference", "insufficient_data"}
 
@@ -138,7 +138,7 @@ def test_same_data_gives_the_same_dict():
 
 
 def test_default_seed_does_not_depend_on_the_process_hash_seed():
-    code = ("import json, numpy as np; from gateway.verdict import compare; "
+    code = ("import json, numpy as np; from gateway.experiments.verdict import compare; "
             "r = lambda s: np.random.default_rng(s).lognormal(0, 0.3, 200); "
             "print(json.dumps(compare('k', 'ttft', 'x', r(1), 'y', r(2)), sort_keys=True))")
     here = compare("k", "ttft", "x", np.random.default_rng(1).lognormal(0, 0.3, 200),

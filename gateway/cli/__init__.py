@@ -1,0 +1,1 @@
+"""The `shapegate` command and its subcommands."""

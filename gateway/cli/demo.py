@@ -1,0 +1,111 @@
+"""`shapegate demo`: a simulated vLLM/SGLang/llama.cpp portfolio with the gateway in front, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from gateway.app import build_app
+from gateway.keys.auth import hash_key, new_key
+from gateway.config import parse_config
+from gateway.http.front import start_serving
+from gateway.runtime import build_policy
+from gateway.sim.runner import SimOptions, start_sim
+
+MODEL = "qwen3-30b"
+SECOND_MODEL = "qwen3-8b"
+# The workstation portfolio: published single-card numbers (see gateway/sim/profiles/r9700.toml).
+PORTFOLIO = (
+    ("vllm-0", "vllm", "r9700-vllm", MODEL, (SECOND_MODEL,)),
+    ("sglang-0", "sglang", "r9700-sglang", MODEL, ()),
+    ("llama-0", "llamacpp", "r9700-llamacpp-vulkan", "Qwen3-30B-A3B-Q4_K_XL.gguf", ()),
+)
+
+
+def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int, ab: bool = False) -> dict:
+    backends = []
+    for bid, engine, _profile, native, extra in PORTFOLIO:
+        models = {MODEL: native, **{m: m for m in extra}}
+        entry = {"id": bid, "engine": engine, "url": urls[bid], "models": models}
+        if engine == "llamacpp":
+            entry["interactive"] = True
+        backends.append(entry)
+    cfg = {
+        "server": {"host": host, "port": port, "access_log": False},
+        "auth": {"keys": [{"id": "demo", "sha256": key_digest, "admin": True}]},
+        "routing": {"policy": "shape"},
+        "dashboard": {"secure_cookie": False},
+        "backends": backends,
+    }
+    if ab:  # vLLM against SGLang for the model all three serve, each end user (a header) on one of them
+        cfg["experiments"] = [{"name": "vllm-vs-sglang", "model": MODEL, "subject": "header:x-end-user",
+                               "arms": [{"name": "vllm", "backends": ["vllm-0"]},
+                                        {"name": "sglang", "backends": ["sglang-0"]}]}]
+    return cfg
+
+
+def banner(url: str, key: str, ab: bool = False) -> str:
+    experiment = f"""
+A/B experiment vllm-vs-sglang on {MODEL}: each x-end-user header value sticks to one arm.
+  verdicts: shapegate ab --url {url} --key {key}   (also {url}/admin/experiments, {url}/dashboard)
+""" if ab else ""
+    return f"""
+shapegate demo is running: {url}
+  engines : vllm-0 (vLLM-like), sglang-0 (SGLang-like), llama-0 (llama.cpp Vulkan-like), simulated
+  models  : {MODEL} (all three), {SECOND_MODEL} (vllm-0 only)
+  API key : {key}   (admin: also opens {url}/dashboard)
+
+curl:
+  curl -s {url}/v1/chat/completions -H "Authorization: Bearer {key}" \\
+    -H "Content-Type: application/json" \\
+    -d '{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+Python:
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="{key}")
+  r = client.chat.completions.create(model="{MODEL}", max_tokens=32,
+                                     messages=[{{"role": "user", "content": "Hello!"}}])
+  print(r.choices[0].message.content, r.model)
+
+{experiment}
+Press Ctrl-C to stop.
+"""
+
+
+async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
+                   stop: asyncio.Event | None = None, ab: bool = False) -> None:
+    sims = {}
+    front = None
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for bid, engine, profile, native, extra in PORTFOLIO:
+            sims[bid] = await start_sim(SimOptions(engine=engine, model=native, profile=profile,
+                                                   served_model_names=extra))
+        key = new_key()
+        cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port, ab),
+                           build_policy)
+        front = await start_serving(build_app(cfg), host, port)
+        print(banner(f"http://{host}:{port}", key, ab), flush=True)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if front is not None:
+            await front.close(timeout=5.0)
+        for s in sims.values():
+            await s.close()
+        print("shapegate demo stopped.", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    uvloop.run(run_demo(args.host, args.port, ab=args.ab))
+    return 0

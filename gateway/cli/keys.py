@@ -1,0 +1,189 @@
+"""`shapegate keys create|list|revoke`: a running gateway's run-time API keys, through its /admin/keys routes."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from gateway.cli.ab import KEY_ENV
+
+NOT_SHOWN_AGAIN = "Give the key to its client: the gateway keeps only its sha256 and cannot show it again."
+
+
+class Failed(Exception):
+    """Why the command did not do its work, as one line; `status` is the exit status."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _KeepAuthorizationHere(urllib.request.HTTPRedirectHandler):
+    # Following a redirect would send the admin key on to wherever it points.
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_KeepAuthorizationHere)
+
+
+def _reason(body: bytes) -> str:
+    try:
+        return " ".join(str(json.loads(body)["error"]["message"]).split())[:300]
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    """One request to the gateway's admin routes; Failed with the gateway's own reason when refused."""
+    if not args.admin_key:
+        raise Failed(f"no admin key: set {KEY_ENV} (or pass --admin-key)", 2)
+    base = args.url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise Failed(f"--url must start with http:// or https:// (got {args.url!r})", 2)
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {args.admin_key}",
+                                          "Content-Type": "application/json", "Accept": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=args.timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            status, reason = e.code, _reason(e.read())
+        why = f"HTTP {status}{': ' + reason if reason else ''}"
+        if status in (401, 403):
+            raise Failed(f"{base} refused the admin key ({why})", 2) from None
+        if 300 <= status < 400:
+            raise Failed(f"{base}{path} redirects to {e.headers.get('Location', '?')}: give that address as --url "
+                         "(the key was not sent on)", 2) from None
+        raise Failed(why) from None
+    except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        cause = getattr(e, "reason", e)
+        if isinstance(cause, TimeoutError):
+            raise Failed(f"no answer from {base} within {args.timeout:g} s", 2) from None
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
+        raise Failed(f"cannot reach {base}: {why}", 2) from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise Failed(f"{base}{path} did not answer JSON: is it a shapegate gateway?", 2) from None
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def _limits(limits: dict | None) -> str:
+    if not limits:
+        return "defaults"
+    parts = [f"{k}={limits[k]}" for k in ("rpm", "tpm") if limits.get(k) is not None]
+    for model, m in sorted((limits.get("models") or {}).items()):
+        parts += [f"{model}:{k}={m[k]}" for k in ("rpm", "tpm") if m.get(k) is not None]
+    return " ".join(parts) or "none"
+
+
+def create(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"admin": args.admin}
+    if args.id:
+        body["id"] = args.id
+    limits = dict(args.limits) if args.limits is not None else {}
+    for name in ("rpm", "tpm"):
+        if getattr(args, name) is not None:
+            limits[name] = getattr(args, name)
+    if limits or args.limits is not None:
+        body["limits"] = limits
+    made = call(args, "POST", "/admin/keys", body)
+    if args.json:
+        print(json.dumps(made, indent=2))
+    else:
+        print(f"id:      {made['id']}\nkey:     {made['key']}\nadmin:   {str(made['admin']).lower()}\n"
+              f"limits:  {_limits(made.get('limits'))}")
+    print(NOT_SHOWN_AGAIN, file=sys.stderr)
+    return 0
+
+
+def listing(args: argparse.Namespace) -> int:
+    got = call(args, "GET", "/admin/keys")
+    if args.json:
+        print(json.dumps(got, indent=2))
+        return 0
+    rows = [[k["id"], k["source"], "yes" if k["admin"] else "no", _limits(k.get("limits")), _when(k.get("created")),
+             _when(k.get("last_used"))] for k in got.get("data", [])]
+    header = ["id", "source", "admin", "limits", "created (UTC)", "last used (UTC)"]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"run-time keys kept in: {got.get('store', '?')}", file=sys.stderr)
+    return 0
+
+
+def revoke(args: argparse.Namespace) -> int:
+    done = call(args, "DELETE", "/admin/keys/" + urllib.parse.quote(args.id, safe=""))
+    print(json.dumps(done, indent=2) if args.json else f"revoked {args.id}")
+    return 0
+
+
+def _seconds(text: str) -> float:
+    t = float(text)
+    if not (t > 0 and math.isfinite(t)):
+        raise argparse.ArgumentTypeError("must be a number of seconds more than 0")
+    return t
+
+
+def _limits_json(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"rpm\": 60, \"models\": "
+                                         "{\"m\": {\"tpm\": 10000}}}'") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def add_parsers(actions: Any) -> None:
+    """create, list and revoke under `shapegate keys`."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", required=True, help="the gateway's base address, e.g. http://127.0.0.1:8080")
+        # A key on a command line is visible to every user of the machine (ps) and stays in shell history.
+        p.add_argument("--admin-key", default=os.environ.get(KEY_ENV),
+                       help=f"an admin API key (default: the {KEY_ENV} environment variable, which ps does not show)")
+        p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for the gateway (default 10)")
+        p.add_argument("--json", action="store_true", help="print the gateway's JSON as it came")
+
+    c = actions.add_parser("create", help="make a key on a running gateway (POST /admin/keys); shown once",
+                           description="Make an API key on a running gateway. The key is printed once; the "
+                                       "gateway keeps only its digest.")
+    common(c)
+    c.add_argument("--id", help="the key's id (default: generated); 1-64 characters of A-Z a-z 0-9 _ . : -")
+    c.add_argument("--admin", action="store_true", help="an admin key (admin routes, /stats, the dashboard)")
+    c.add_argument("--rpm", type=int, help="requests per minute for this key")
+    c.add_argument("--tpm", type=int, help="tokens per minute for this key")
+    c.add_argument("--limits", type=_limits_json, help="the key's limits as JSON: rpm, tpm, models "
+                   "({model: {rpm, tpm}}); --rpm and --tpm override its own")
+    c.set_defaults(keys_run=create)
+    ls = actions.add_parser("list", help="list a running gateway's keys (never the keys themselves)")
+    common(ls)
+    ls.set_defaults(keys_run=listing)
+    rv = actions.add_parser("revoke", help="revoke a run-time key on a running gateway")
+    common(rv)
+    rv.add_argument("id", help="the key's id")
+    rv.set_defaults(keys_run=revoke)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return args.keys_run(args)
+    except Failed as e:
+        print(f"shapegate: {e}", file=sys.stderr)
+        return e.status

@@ -1,0 +1,252 @@
+"""The `shapegate` command: serve | check | probe | ab | sim | demo | keys."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import importlib.metadata
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+
+from gateway.cli import ab as ab_report
+
+from gateway.cli import keys as keys_client
+from gateway.keys.auth import hash_key, new_key
+from gateway.config import ConfigError, GatewayConfig, load_config
+
+
+def fail(message: str) -> SystemExit:
+    """A refusal the user can act on: one line on stderr and exit status 2, never a traceback."""
+    print(f"shapegate: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def read_config(path: str) -> GatewayConfig:
+    """The configuration file, validated completely (policies included); SystemExit(2) with the reason if not."""
+    from gateway.runtime import build_policy  # the gateway's own policies, which the file may name
+
+    try:
+        return load_config(path, build_policy)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+
+
+async def serve_until_signal(cfg, host: str, port: int, config_path: str | None = None,
+                             reuse_port: bool = False) -> None:
+    """Run the gateway; SIGHUP reloads the config; SIGTERM/SIGINT stop accepting and let streams finish."""
+    from gateway.app import build_app
+    from gateway.http.front import start_serving
+    from gateway.ops.lifecycle import CUT_MARGIN_S, shutdown
+    from gateway.routing.request import GATEWAY
+    from gateway.ops.reload import RELOADER
+
+    try:
+        app = build_app(cfg, config_path)
+    except ValueError as e:  # a setting only checkable at start, e.g. the dashboard secret's variable
+        raise fail(str(e)) from None
+    grace = cfg.server.shutdown_grace_s
+    try:
+        front = await start_serving(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
+    logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
+    await stop.wait()
+    loop.remove_signal_handler(signal.SIGHUP)
+    await shutdown(front, app[GATEWAY], grace)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = read_config(args.config)
+    import uvloop
+
+    raise_file_limit()
+    host = args.host or cfg.server.host
+    port = args.port if args.port is not None else cfg.server.port
+    if args.workers == 1:
+        uvloop.run(serve_until_signal(cfg, host, port, args.config))
+        return 0
+    if port == 0:
+        raise fail("--workers needs a fixed port (each worker binds it with SO_REUSEPORT)")
+    check_listen(host, port)  # a taken port is one line here, not one refusal per worker
+    from gateway.ops.workers import run_workers
+
+    def worker() -> int:
+        uvloop.run(serve_until_signal(cfg, host, port, args.config, reuse_port=True))
+        return 0
+
+    return run_workers(args.workers, worker)
+
+
+def os_reason(e: OSError) -> str:
+    """The system's short reason ("Address already in use"): asyncio wraps it in a longer sentence."""
+    if e.errno and not isinstance(e, socket.gaierror):
+        return os.strerror(e.errno)
+    return e.strerror or str(e)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind host:port as the workers will (SO_REUSEPORT), then let go; SystemExit(2) if that is refused."""
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                s.bind(addr)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
+
+
+def raise_file_limit() -> None:
+    """The soft limit on open files up to the hard one: every stream holds a client and an engine connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # some systems refuse an unlimited soft limit; the default stands and caps connections
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    if args.keys_cmd in ("create", "list", "revoke"):
+        return keys_client.run(args)
+    if args.keys_cmd == "new":
+        key = new_key()
+        print(f"key:    {key}\nsha256: {hash_key(key)}")
+        print("Put the sha256 line in [[auth.keys]]; give the key to the client. It is not stored anywhere.",
+              file=sys.stderr)
+        return 0
+    key = args.key
+    if key is None:
+        key = sys.stdin.readline().strip() if not sys.stdin.isatty() else getpass.getpass("API key: ")
+    if not key:
+        print("shapegate: empty key", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from gateway.cli import check
+
+    cfg = read_config(args.config)
+    return check.run(cfg, args.config, args.timeout)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from gateway.fleet import probe
+
+    cfg = read_config(args.config)
+    return probe.run(cfg, args.timeout or cfg.probe.timeout_s, args.json)
+
+
+def _seconds(text: str) -> float:
+    t = float(text)
+    if not t > 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return t
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("shapegate")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from gateway.sim import main as sim_main
+
+    return sim_main.run(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.cli import demo
+
+    return demo.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shapegate", description="One OpenAI-compatible endpoint in front of vLLM, "
+                                "SGLang and llama.cpp engines, routing each request by its shape.")
+    p.add_argument("--version", action="version", version=f"shapegate {version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the gateway", description="Run the gateway from a TOML config file.")
+    s.add_argument("--config", required=True, help="path to the TOML configuration (see config.example.toml)")
+    s.add_argument("--host", default=None, help="listen address (default: [server] host)")
+    s.add_argument("--port", type=int, default=None, help="listen port (default: [server] port)")
+    s.add_argument("--workers", type=_positive, default=1,
+                   help="gateway processes sharing the port (SO_REUSEPORT); /metrics adds up all of them")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("check", help="validate a config file and ask each backend once what it serves",
+                       description="Validate the configuration as serve does (exit 2 if invalid), then probe "
+                                   "each backend once: health, listed models, context window. Backends that "
+                                   "do not answer are reported but leave the exit status at 0.")
+    c.add_argument("--config", required=True, help="path to the TOML configuration")
+    c.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per engine request (default 10)")
+    c.set_defaults(func=cmd_check)
+
+    pr = sub.add_parser("probe", help="ask each backend's engine which OpenAI features it supports per model",
+                        description="Validate the configuration (exit 2 if invalid), then try each feature on each "
+                                    "backend's engine directly, for each model it serves, and print the support "
+                                    "matrix. Exit 0 when the checks [probe] require pass everywhere, else 1.")
+    pr.add_argument("--config", required=True, help="path to the TOML configuration")
+    pr.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    pr.add_argument("--timeout", type=_seconds, default=None,
+                    help="seconds per engine request (default: [probe] timeout_s)")
+    pr.set_defaults(func=cmd_probe)
+    ab_report.add_parser(sub)  # `shapegate ab`: the verdicts of a running gateway's experiments
+
+    k = sub.add_parser("keys", help="make API keys and their digests; manage a running gateway's keys",
+                       description="API keys are stored only as SHA-256 digests: in the configuration file "
+                                   "(new, hash) or, made at run time, by the gateway (create, list, revoke).")
+    ks = k.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
+    kh = ks.add_parser("hash", help="print the sha256 digest of a key (argument, stdin, or prompt)")
+    kh.add_argument("key", nargs="?", help="the key (omit to read it from stdin or a prompt)")
+    ks.add_parser("new", help="generate a new random key and print it with its digest")
+    keys_client.add_parsers(ks)
+    k.set_defaults(func=cmd_keys)
+
+    from gateway.sim import main as sim_main  # part of the package: the simulator and the demo always exist
+
+    sm = sub.add_parser("sim", help="run one simulated engine (vllm, sglang or llamacpp flavour)",
+                        description="Run an OpenAI-compatible engine simulator with a latency model.")
+    sim_main.add_arguments(sm)
+    sm.set_defaults(func=cmd_sim)
+    d = sub.add_parser("demo", help="start a simulated portfolio and the gateway in front of it",
+                       description="Start three simulated engines and the gateway; Ctrl-C stops all.")
+    d.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    d.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    d.add_argument("--ab", action="store_true", help="also run an A/B experiment: vLLM against SGLang")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

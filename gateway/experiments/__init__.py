@@ -1,0 +1,1 @@
+"""A/B experiments on live traffic: arms, samples, verdicts, shadow copies and their sharing."""

@@ -1,0 +1,213 @@
+"""Live state of every backend, and the usable candidates for a model as BackendView snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Iterable
+
+import aiohttp
+
+from gateway.config import BackendConfig, GatewayConfig
+from gateway.contracts import READY, BackendView, LoadSample
+from gateway.fleet.engine_latency import EngineLatency
+from gateway.fleet.health import Breaker, HealthState
+from gateway.stats.rolling import BackendStats, LatencyModel
+
+log = logging.getLogger("shapegate")
+
+
+class BackendState:
+    """Everything the gateway knows about one backend right now."""
+
+    def __init__(self, cfg: BackendConfig, adapter, gcfg: GatewayConfig) -> None:
+        self.id = cfg.id
+        self.engine = cfg.engine
+        self.adapter = adapter
+        self.reconfigure(cfg)
+        self.in_flight = 0
+        self.health = HealthState()
+        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
+        self.load: LoadSample | None = None
+        self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
+        self.reported = EngineLatency()  # the engine's own latency figures, from the same scrapes
+        self.last_output = float("-inf")  # start time of the latest-started request that got output here
+        self.latency = LatencyModel(cfg.hints, gcfg.stats.model_half_life_s, gcfg.stats.warmup_samples)
+        self.stats = BackendStats(gcfg.stats.max_samples)
+        self.next_probe = 0.0
+        self._load_stale_s = 0.0
+        self.apply_settings(gcfg)
+        self.windows: dict[str, int] = {}  # public model -> context window the engine reported
+        # [probe] at_start: public model -> why this engine failed a required check for it (not routed here).
+        self.unsupported: dict[str, str] = {}
+        self.probe_cfg = gcfg.probe
+        self.probe_task: asyncio.Task | None = None  # the support probe running since the last promotion to ready
+
+    def reconfigure(self, cfg: BackendConfig) -> None:
+        """Its own settings: at creation, and when a reload changes what it serves (same engine and URL)."""
+        self.cfg = cfg
+        self.models = cfg.models  # public name -> the engine's own name
+        self.classes = frozenset(cfg.classes) if cfg.classes is not None else None
+        # Read for every request: copied out of the pydantic model, each of whose reads costs a few hundred
+        # instructions (its __getattr__ hook).
+        self.max_context = cfg.max_context
+        self.interactive = cfg.interactive
+        self.weight = cfg.weight
+
+    def apply_settings(self, gcfg: GatewayConfig) -> None:
+        """The gateway-wide settings a backend works by (at creation, and again on each reload)."""
+        self.breaker.threshold, self.breaker.open_s = gcfg.health.breaker_failures, gcfg.health.breaker_open_s
+        self._load_stale_s = gcfg.health.load_stale_s
+        self.latency.refit_s = gcfg.stats.refit_interval_s
+
+    def take_load(self, sample: LoadSample) -> None:
+        """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,
+        while the gateway has measured little here itself, stand in for the latency model's prior."""
+        self.load, self.load_in_flight = sample, self.in_flight
+        r = self.reported
+        if r.observe(sample):
+            self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)
+
+    def window(self, model: str) -> int | None:
+        """Tokens one request for `model` may hold here: the configured max_context, else what the engine
+        said, else unknown (None: any request may be sent)."""
+        return self.max_context or self.windows.get(model)
+
+    async def discover_windows(self, timeout: float) -> None:
+        """Ask the engine its context window for each model it serves (at readiness: a restart may change it)."""
+        ask = getattr(self.adapter, "context_window", None)
+        if ask is None or self.max_context:
+            return
+        for public, native in self.models.items():
+            try:
+                n = await ask(native, timeout)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+                log.info("context window of %s for %s unknown: %s", self.id, public, type(e).__name__)
+                continue
+            if n is not None:
+                self.windows[public] = n
+            else:
+                self.windows.pop(public, None)
+
+    def usable(self, now: float) -> bool:
+        return self.health.state == READY and self.breaker.allows(now)
+
+    def fresh_load(self, now: float) -> LoadSample | None:
+        """The last load sample, or None once it is older than load_stale_s (the engine stopped answering
+        scrapes): policies then rank this backend by the gateway's own in-flight count alone, and
+        admission control ignores its queue and slot figures."""
+        load = self.load
+        return load if load is not None and now - load.at <= self._load_stale_s else None
+
+    def view(self, now: float) -> BackendView:
+        return BackendView(self.id, self.engine, self.in_flight, self.latency.estimate(), self.fresh_load(now),
+                           self.classes, self.interactive, self.weight)
+
+    async def warm_up(self, timeout: float) -> bool:
+        model = next(iter(self.models.values()))
+        return await self.adapter.warm_up(model, timeout=timeout)
+
+
+class Pool:
+    """All backends by id and by public model name; rebuilt atomically on config reload.
+
+    Backends removed by a reload leave the index at once (no new requests) but stay listed as
+    draining until their last in-flight request ends.
+    """
+
+    def __init__(self, backends: Iterable[BackendState]) -> None:
+        self._by_id: dict[str, BackendState] = {}
+        self._by_model: dict[str, list[BackendState]] = {}
+        self._draining: list[BackendState] = []
+        self._on_breaker_open: Callable[[str, float], None] | None = None
+        for b in backends:
+            self.add(b)
+
+    def watch_breakers(self, listener: Callable[[str, float], None]) -> None:
+        """Call listener(backend id, opened_until) whenever a failure opens a backend's breaker, for the backends
+        there are and those a reload adds."""
+        self._on_breaker_open = listener
+        for b in self._by_id.values():
+            self._watch(b)
+
+    def _watch(self, b: BackendState) -> None:
+        listener, bid = self._on_breaker_open, b.id
+        if listener is not None:
+            b.breaker.on_open = lambda until: listener(bid, until)
+
+    def add(self, b: BackendState) -> None:
+        self._watch(b)
+        self._by_id[b.id] = b
+        for public in b.models:
+            self._by_model.setdefault(public, []).append(b)
+
+    def remove(self, backend_id: str) -> BackendState | None:
+        b = self._by_id.pop(backend_id, None)
+        if b is not None:
+            for public in b.models:
+                lst = self._by_model.get(public, [])
+                if b in lst:
+                    lst.remove(b)
+                if not lst:
+                    self._by_model.pop(public, None)
+        return b
+
+    def all(self) -> list[BackendState]:
+        """Active backends, then draining ones (a draining backend replaced under the same id is not listed)."""
+        out = list(self._by_id.values())
+        out.extend(b for b in self._draining if b.id not in self._by_id)
+        return out
+
+    def get(self, backend_id: str) -> BackendState | None:
+        return self._by_id.get(backend_id)
+
+    def serves(self, model: str) -> bool:
+        return model in self._by_model
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def candidates(self, model: str, klass: str, now: float | None = None) -> list[BackendState]:
+        """Backends that serve the model (and did not fail the support probe for it), are ready, whose breaker
+        admits a request and that take this class."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for b in self._by_model.get(model, ()):
+            if b.usable(now) and (b.classes is None or klass in b.classes) and model not in b.unsupported:
+                out.append(b)
+        return out
+
+    def largest_window(self, model: str) -> int | None:
+        """The largest context window among every backend of `model`, usable now or not (None: one is unknown)."""
+        windows = [b.window(model) for b in self._by_model.get(model, ())]
+        known = [w for w in windows if w is not None]
+        return max(known) if known and len(known) == len(windows) else None
+
+    def retry_hint(self, model: str, now: float) -> float:
+        """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening (the
+        Retry-After header rounds and bounds it: gateway.errors.retry_after_header)."""
+        waits = [b.breaker.reopens_in(now) for b in self._by_model.get(model, ()) if b.health.state == READY]
+        return min((w for w in waits if w > 0), default=1.0)
+
+    def is_ready(self) -> bool:
+        now = time.monotonic()
+        return any(b.usable(now) for b in self._by_id.values())
+
+    def drain(self, backend_id: str) -> BackendState | None:
+        """Take a backend out of routing; its in-flight requests finish, then sweep_drained forgets it."""
+        b = self.remove(backend_id)
+        if b is not None:
+            b.health.drain()
+            self._draining.append(b)
+        return b
+
+    def sweep_drained(self) -> list[BackendState]:
+        done = [b for b in self._draining if b.in_flight == 0]
+        if done:
+            self._draining = [b for b in self._draining if b.in_flight > 0]
+            for b in done:
+                close = getattr(b.adapter, "close", None)
+                if close is not None:
+                    close()  # idle upstream connections of a backend that is gone
+        return done

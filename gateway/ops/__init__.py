@@ -1,0 +1,1 @@
+"""Running the gateway: reloads, worker processes, shutdown, replica sync and the admin routes."""
