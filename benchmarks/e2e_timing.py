@@ -6,7 +6,7 @@
 # at a time. For every request it records:
 #
 #   client    TTFT seen by the client (request sent -> first content event)
-#   gateway   the gateway's own sample (gateway.routing.affinity pool -> backend.stats.samples): TTFT from the
+#   gateway   the gateway's own sample (gateway.state pool -> backend.stats.samples): TTFT from the
 #             upstream send to the first token event, ITL = (last - first token event) / (tokens - 1)
 #   engine    llama.cpp: `timings.prompt_ms` and predicted_ms / (predicted_n - 1) from the stream's
 #             last chunk; vLLM: the per-request delta of the `vllm:time_to_first_token_seconds` and

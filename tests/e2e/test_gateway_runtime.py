@@ -82,7 +82,7 @@ async def test_client_disconnect_frees_the_engine(target: Target) -> None:
     # ignore_eos: a generation nobody stopped runs to the limit. How far short it stops depends on how
     # quickly the engine notices, which a loaded 2-core machine can slow down.
     assert 3 <= generated < limit, f"{generated} of {limit} tokens generated (stalled attempts: {stalls})"
-    assert target.gateway.routing.affinity.pool.get(target.name).in_flight == 0
+    assert target.gateway.state.pool.get(target.name).in_flight == 0
 
 
 async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
@@ -273,7 +273,7 @@ async def test_mixed_portfolio(portfolio: dict[str, str] | None) -> None:
 
 async def _client_and_gateway_ttft(gw_url: str, gateway, backend_id: str) -> tuple[float, float]:  # noqa: ANN001
     """One stream: (TTFT seen by the client, TTFT in the gateway's own sample for it)."""
-    stats_of = gateway.routing.affinity.pool.get(backend_id).stats
+    stats_of = gateway.state.pool.get(backend_id).stats
     seen = len(stats_of.samples)
     body = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": "Time me."}], "max_tokens": 16,
             "stream": True, "ignore_eos": True}

@@ -98,7 +98,7 @@ async def test_query_string_and_connection_close(conn):
 
 async def test_too_large_body_is_refused_unread_and_the_connection_ends(gateway, conn):
     reader, writer = conn
-    limit = gateway.routing.affinity.cfg.server.max_body_bytes
+    limit = gateway.state.cfg.server.max_body_bytes
     writer.write(post(b"{", length=limit + 1))  # announces more than the limit, sends one byte
     status, headers, body = await read_response(reader)
     assert status == 413 and orjson.loads(body)["error"]["code"] == "request_too_large"
