@@ -6,12 +6,12 @@ import asyncio
 import socket
 import ssl as ssl_mod
 from collections import deque
-from typing import Awaitable, Callable, Final, Iterable, cast
+from typing import Awaitable, Callable, Final, Iterable
 from urllib.parse import urlsplit
 
 import httptools
 
-from backends.http1_response import Response
+from backends.http1_response import Carrier, Response
 from backends.slots import Slots
 from gateway.contracts import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamProtocolError
 
@@ -33,14 +33,12 @@ def _joined(lines: list[str]) -> dict[str, str]:
     return headers
 
 
-class Connection(asyncio.Protocol):
+class Connection(Carrier):
     """One keep-alive connection carrying one request at a time; llhttp (strict) frames each reply."""
 
-    def __init__(self, pool: "HostPool") -> None:
+    def __init__(self, pool: HostPool) -> None:
+        super().__init__(pool.loop, pool.idle_timeout)
         self.pool = pool
-        self.loop = pool.loop
-        # Set by connection_made, which the event loop calls before the connection is handed out.
-        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.closed = False
         self.used = 0
         self.idle_since = 0.0

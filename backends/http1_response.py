@@ -1,18 +1,38 @@
-"""One upstream response of the lean HTTP/1.1 client (backends/http1.py): its body handed over as it arrives."""
+"""One upstream response of the lean HTTP/1.1 client (backends/http1.py), its body handed over as it arrives, and
+the connection as the response sees it."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Final
+from typing import AsyncIterator, Callable, Final, cast
 
 from gateway.contracts import ReplyTooLarge
 
-if TYPE_CHECKING:
-    from backends.http1 import Connection
-
 # Pause reading from an engine when this much is buffered for a slow client.
 HIGH_WATER: Final = 256 * 1024
+
+
+class Carrier(asyncio.Protocol):
+    """An upstream connection as its Response sees it; backends/http1.py's Connection is the one.
+
+    A base class, not a Protocol: a response's calls on its connection (a few a token) stay calls on a compiled
+    class.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_timeout: float) -> None:
+        self.loop = loop
+        self.idle_timeout = idle_timeout  # its pool's: how long a reader waits for the engine's next bytes
+        # Set by connection_made, which the event loop calls before the connection is handed out.
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
+
+    def abandon(self) -> None:
+        """Stop using this connection mid-exchange: the engine sees it close."""
+        raise NotImplementedError
+
+    def release(self, resp: Response) -> None:
+        """The response is done with: a complete one frees the connection, an unfinished one aborts it."""
+        raise NotImplementedError
 
 
 class Response:
@@ -24,7 +44,7 @@ class Response:
     __slots__ = ("status", "headers", "_lines", "_conn", "_chunks", "_buffered", "_waiter", "_done",
                  "_error", "_paused", "_idle_by", "_idle_timer", "_sink")
 
-    def __init__(self, conn: Connection, status: int, headers: dict[str, str], lines: list[str]) -> None:
+    def __init__(self, conn: Carrier, status: int, headers: dict[str, str], lines: list[str]) -> None:
         self.status = status
         self.headers = headers
         self._lines = lines  # the header lines as received
@@ -52,7 +72,7 @@ class Response:
                 return
             if taken:
                 # The engine sent something: the consumer's wait in progress starts its idle time again.
-                self._idle_by = self._conn.loop.time() + self._conn.pool.idle_timeout
+                self._idle_by = self._conn.loop.time() + self._conn.idle_timeout
                 return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -105,7 +125,7 @@ class Response:
                 return None
             loop = self._conn.loop
             self._waiter = w = loop.create_future()
-            idle_by = loop.time() + self._conn.pool.idle_timeout
+            idle_by = loop.time() + self._conn.idle_timeout
             if by and by < idle_by:
                 idle_by = by
                 if self._idle_timer is not None:  # (set for a later time by an earlier wait)

@@ -13,6 +13,15 @@ from backends.http1_response import Response
 from backends.slots import Slots
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
+# Two HTTP clients reach an engine, each where it fits. Generations (clients', the warm-up's, the support probe's)
+# go through forward(): HostPool (backends/http1.py), the lean llhttp client the request path is measured with,
+# within [upstream]'s connection limits. Health probes, load scrapes and model-card reads go through _get(): the
+# process's aiohttp session (gateway/app.py), a few calls a second off the request path, where the lean client
+# would save nothing that shows, and on a few connections per backend of their own, so that a probe never waits
+# for a slot behind client traffic (a busy but healthy engine would miss its probes and be marked down). Moving
+# them to a HostPool of their own would change what each caller catches (aiohttp.ClientError in gateway/fleet/*
+# and gateway/cli/check.py) for no gain on the path.
+
 # A health answer, a /metrics page or a warm-up reply larger than this is an engine fault, not data.
 PROBE_BODY_LIMIT = 16 * 1024 * 1024
 

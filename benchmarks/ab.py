@@ -7,7 +7,7 @@ split experiment (vllm vs sglang, 50/50 by the request's `user`), a mixed worklo
 higher TTFT (40 vs 17 ms at c=1) and the lower ITL. Shadow runs: vLLM serves, every request is copied to
 SGLang at temperature 0, and the report gives the candidate's figures and whether its outputs agree.
 
-Usage: python -m benchmarks.ab [--repeats 3] [--window 120] [--quick] [--from-json FILE]
+Usage: python3 -m benchmarks.ab [--repeats 3] [--window 120] [--quick] [--from-json FILE]
 Writes benchmarks/results/ab.{md,json}.
 """
 
@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import platform
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,11 +25,10 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
-from benchmarks import ab_report
+from benchmarks import ab_report, kit
 from benchmarks import routing_workload as W
-from benchmarks.routing import free_port, serve_gateway, serve_sims, stream_request, wait_ready
+from benchmarks.stack import serve_gateway, serve_sims, stack_config, stop_children, stream_request, wait_ready
 
-RESULTS = Path(__file__).parent / "results"
 ADMIN_KEY = "sk-ab-benchmark-admin"
 ENGINES = (("vllm", "vllm", "mi350x-vllm"), ("sglang", "sglang", "mi350x-sglang"))
 # name, prompt tokens, output tokens, arrivals per second
@@ -42,7 +37,7 @@ USERS = 400
 
 
 def config(mode: str, ports: list[int]) -> dict:
-    from gateway.keys.auth import hash_key
+    from gateway.keys.principal import hash_key
 
     backends = [{"id": bid, "engine": engine, "url": f"http://127.0.0.1:{port}", "models": [W.MODEL]}
                 for (bid, engine, _), port in zip(ENGINES, ports)]
@@ -53,10 +48,8 @@ def config(mode: str, ports: list[int]) -> dict:
     else:
         experiment = {"name": "candidate", "model": W.MODEL, "mode": "shadow", "fraction": 1.0,
                       "shadow_max_in_flight": 64, "arms": [{"name": "sglang", "backends": ["sglang"]}]}
-    return {"auth": {"keys": [{"id": "bench", "sha256": hash_key(ADMIN_KEY), "admin": True}]},
-            "server": {"access_log": False, "shutdown_grace_s": 1.0},
-            "health": {"interval_s": 0.5, "load_interval_s": 0.5},
-            "upstream": {"first_byte_timeout_s": 120.0}, "backends": backends, "experiments": [experiment]}
+    return stack_config(backends, auth={"keys": [{"id": "bench", "sha256": hash_key(ADMIN_KEY), "admin": True}]},
+                        upstream={"first_byte_timeout_s": 120.0}, experiments=[experiment])
 
 
 def arrivals(window_s: float, seed: int) -> list[tuple[float, str, dict, dict]]:
@@ -104,8 +97,8 @@ async def drive(url: str, sim_urls: list[str], window_s: float, seed: int) -> tu
 
 
 def one_run(ctx, mode: str, window_s: float, seed: int) -> dict:
-    ports = [free_port() for _ in ENGINES]
-    gw_port = free_port()
+    ports = [kit.free_port() for _ in ENGINES]
+    gw_port = kit.free_port()
     sims = ctx.Process(target=serve_sims, args=(ports, [(e, p) for _, e, p in ENGINES]), daemon=True)
     gw = ctx.Process(target=serve_gateway, args=(config(mode, ports), gw_port), daemon=True)
     sims.start()
@@ -114,27 +107,8 @@ def one_run(ctx, mode: str, window_s: float, seed: int) -> dict:
         records, report, health = uvloop.run(drive(f"http://127.0.0.1:{gw_port}",
                                                    [f"http://127.0.0.1:{p}" for p in ports], window_s, seed))
     finally:
-        for p in (gw, sims):
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
-        for p in (gw, sims):
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        stop_children([gw, sims])
     return {"mode": mode, "seed": seed, "records": records, "experiment": report["data"][0], "sim_health": health}
-
-
-def machine() -> dict:
-    def sh(*cmd: str) -> str:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parent)
-            return done.stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    return {"commit": sh("git", "rev-parse", "--short", "HEAD"), "dirty": bool(sh("git", "status", "--porcelain")),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,21 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--window", type=float, default=120.0, help="seconds of arrivals per run")
     ap.add_argument("--quick", action="store_true", help="one repeat of each mode, 20 s windows")
-    ap.add_argument("--output", default=str(RESULTS / "ab"), help="path prefix of the .md and .json")
+    ap.add_argument("--output", default=str(kit.RESULTS / "ab"), help="path prefix of the .md and .json")
     ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        md = ab_report.markdown(data["meta"], data["runs"])
-        Path(args.from_json).with_suffix(".md").write_text(md)
-        print(md)
+        print(kit.render_again(Path(args.from_json), lambda data: ab_report.markdown(data["meta"], data["runs"])))
         return 0
     if args.quick:
         args.repeats, args.window = 1, 20.0
     ctx = multiprocessing.get_context("spawn")
-    meta = {**machine(), "load_before": os.getloadavg(), "repeats": args.repeats, "window_s": args.window,
-            "kinds": KINDS, "users": USERS, "engines": ENGINES,
-            "command": "python -m benchmarks.ab " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {"commit": kit.commit(), "dirty": bool(kit.changed_paths()), "date": kit.utc_date(), "machine": kit.host(),
+            "load_before": os.getloadavg(), "repeats": args.repeats, "window_s": args.window,
+            "kinds": KINDS, "users": USERS, "engines": ENGINES, "command": kit.command("benchmarks.ab", argv)}
     runs = []
     started = time.time()
     for r in range(args.repeats):
@@ -165,11 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode} run {r + 1}/{args.repeats} done after {time.time() - started:.0f} s", file=sys.stderr)
     meta["load_after"] = os.getloadavg()
     meta["elapsed_s"] = round(time.time() - started, 1)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=str))
     md = ab_report.markdown(meta, runs)
-    out.with_suffix(".md").write_text(md)
+    kit.write_result(Path(args.output), {"meta": meta, "runs": runs}, md)
     print(md)
     return 0
 

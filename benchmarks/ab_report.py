@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
+from benchmarks import kit
 
 # What the MI350X profiles say (gateway/sim/profiles/mi350x.toml): SGLang's TTFT is higher (40 vs 17 ms at
 # c=1), its ITL lower (4.3 vs 4.7 ms per token at c=1). Arm a is vLLM, arm b SGLang.
@@ -11,13 +11,9 @@ CLASSES = ("all", "long_output", "long_prompt", "default", "interactive")
 METRICS = ("ttft", "itl", "e2e", "output_tps", "error_rate")
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def _client_ratio(records: list[dict], metric: str, a: str, b: str) -> float | None:
     """The client's own figure, arm b over arm a (medians): a check that does not read the gateway's numbers."""
-    med = {arm: _median([r[metric] for r in records if r.get("ok") and r.get("backend") == arm
+    med = {arm: kit.median_or_none([r[metric] for r in records if r.get("ok") and r.get("backend") == arm
                          and r.get(metric) is not None]) for arm in (a, b)}
     return med[b] / med[a] if med[a] and med[b] else None
 
@@ -28,6 +24,13 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 def _comparisons(run: dict) -> list[dict]:
     return [c for c in run["experiment"]["comparisons"] if c["class"] in CLASSES]
+
+
+def _cells(c: dict) -> str:
+    """A comparison's table row up to its verdict."""
+    a, b = c["arms"]
+    return (f"| {c['class']} | {c['metric']} | {c['n'][a]} / {c['n'][b]} | {_fmt(c['ratio'])} "
+            f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | {_fmt(c['noise_floor'])} | {c['verdict']} |")
 
 
 def _late_share(run: dict) -> float:
@@ -82,12 +85,9 @@ def _split_section(split: list[dict]) -> list[str]:
                 "| class | metric | n (vllm / sglang) | ratio sglang/vllm [95 % CI] | noise floor | verdict | client ratio |",
                 "|---|---|---|---|---|---|---|"]
         for c in _comparisons(run):
-            a, b = c["arms"]
-            client = _client_ratio(run["records"], c["metric"], a, b) \
+            client = _client_ratio(run["records"], c["metric"], *c["arms"]) \
                 if c["class"] == "all" and c["metric"] in ("ttft", "itl", "e2e") else None
-            out.append(f"| {c['class']} | {c['metric']} | {c['n'][a]} / {c['n'][b]} | {_fmt(c['ratio'])} "
-                       f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | {_fmt(c['noise_floor'])} | {c['verdict']} | "
-                       f"{_fmt(client)} |")
+            out.append(_cells(c) + f" {_fmt(client)} |")
             if c["class"] == "all":
                 if c["noise_floor"] is not None:
                     floors[c["metric"]].append(c["noise_floor"])
@@ -99,7 +99,7 @@ def _split_section(split: list[dict]) -> list[str]:
         better = "vLLM" if want == "a_better" else "SGLang"
         out.append(f"- {metric.upper()} over all classes: the verdict named {better} better, as the profiles say, in "
                    f"{agree[metric]} of {len(split)} run(s).")
-    measured = ", ".join(f"{m} {_fmt(_median(v))}" for m, v in floors.items() if v)
+    measured = ", ".join(f"{m} {_fmt(kit.median_or_none(v))}" for m, v in floors.items() if v)
     out += [f"- Measured noise floor (A/A halves of one arm, 95th percentile of the gap; median over runs, as a "
             f"fraction of the mean): {measured}.", ""]
     return out
@@ -127,9 +127,6 @@ def _shadow_section(shadow: list[dict]) -> list[str]:
                 f"{_fmt(tokens.get('mean'), 1)} tokens on average.", "",
                 "| class | metric | n (primary / sglang) | ratio sglang/primary [95 % CI] | noise floor | verdict |",
                 "|---|---|---|---|---|---|"]
-        for c in _comparisons(run):
-            a, b = c["arms"]
-            out.append(f"| {c['class']} | {c['metric']} | {c['n'][a]} / {c['n'][b]} | {_fmt(c['ratio'])} "
-                       f"[{_fmt(c['ci_low'])}, {_fmt(c['ci_high'])}] | {_fmt(c['noise_floor'])} | {c['verdict']} |")
+        out += [_cells(c) for c in _comparisons(run)]
         out.append("")
     return out

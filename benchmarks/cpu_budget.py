@@ -10,20 +10,12 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import med, run_line, save_and_render  # noqa: E402
-from overhead import (BODIES, KEY, LAUNCH, WRK_SCRIPT, cpu_times, free_port, run_wrk, stop_all,  # noqa: E402
-                      wait_http, write_gateway_config)
-from routing_conditions import machine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from deploy.compile import compiled_copy  # noqa: E402
+from benchmarks import kit
+from deploy.compile import compiled_copy
 
 BUILDS = {"sources": "the plain sources", "compiled": "a copy compiled by `deploy/compile.py` (what the image runs)"}
 # The gateway's optional per-request features, and what switching each off means in its config.
@@ -42,38 +34,32 @@ TARGETS = (*GATEWAYS, *REFERENCES)
 
 
 def gateway_config(path: Path, engine: str, off: tuple[str, ...]) -> Path:
-    sections = '[routing]\npolicy = "round_robin"\n' if "shape routing" in off else ""
-    cfg = write_gateway_config(path, engine, access_log="access log" not in off, stats="stats upkeep" not in off,
-                               sections=sections)
-    if "API-key auth" in off:  # (the key stays listed: wrk sends it to every target alike)
-        cfg.write_text(cfg.read_text().replace("[[auth.keys]]", "[auth]\nenabled = false\n[[auth.keys]]", 1))
-    return cfg
+    return kit.gateway_config(path, engine, access_log="access log" not in off, stats="stats upkeep" not in off,
+                              auth="API-key auth" not in off,
+                              sections='[routing]\npolicy = "round_robin"\n' if "shape routing" in off else "")
 
 
-def start(tmp: Path, tree: Path, engine_port: int, procs: list) -> dict[str, tuple[str, int]]:
+def start(tmp: Path, tree: Path, engine: str, procs: list) -> dict[str, tuple[str, int]]:
     """Every target on its own port, the gateways from `tree`: name -> (base URL, pid)."""
-    engine = f"http://127.0.0.1:{engine_port}"
     out = {}
     for name in TARGETS:
-        port = free_port()
-        cwd, env = ROOT, None
         if name in GATEWAYS:
-            cmd = [sys.executable, "-c", LAUNCH, "serve", "--config",
-                   str(gateway_config(tmp / f"{len(out)}.toml", engine, GATEWAYS[name])), "--port", str(port)]
-            cwd, env = tree, {**os.environ, "PYTHONPATH": str(tree)}
-        elif name.startswith("parsing proxy"):
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "parsing_proxy.py"), "--port", str(port), "--engine",
-                   engine, "--key", KEY] + (["--tasks"] if name.endswith("tasks") else [])
+            base, p = kit.start_gateway(gateway_config(tmp / f"{len(out)}.toml", engine, GATEWAYS[name]), procs,
+                                        tree=tree, **kit.QUIET)
+            out[name] = (base, p.pid)
+            continue
+        port = str(kit.free_port())
+        if name.startswith("parsing proxy"):
+            argv = kit.script("parsing_proxy.py", "--port", port, "--engine", engine, "--key", kit.KEY,
+                              *(["--tasks"] if name.endswith("tasks") else []))
         elif name == "aiohttp proxy":
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_proxy.py"), "--port", str(port),
-                   "--upstream", engine]
+            argv = kit.script("floor_proxy.py", "--port", port, "--upstream", engine)
         else:
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_proxy.py"), "--port", str(port),
-                   "--upstream-port", str(engine_port)]
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(p)
-        out[name] = (f"http://127.0.0.1:{port}", p.pid)
-        wait_http(out[name][0] + ("/health" if name == "bytes proxy" else "/readyz"))
+            argv = kit.script("bytes_proxy.py", "--port", port, "--upstream-port", engine.rsplit(":", 1)[1])
+        base = f"http://127.0.0.1:{port}"
+        ready = base + ("/health" if name == "bytes proxy" else "/readyz")
+        p = kit.start(argv, procs, ready, cwd=kit.ROOT, **kit.QUIET)
+        out[name] = (base, p.pid)
     return out
 
 
@@ -84,7 +70,7 @@ def syscalls(pid: int, url: str, script: str, conc: int, seconds: float) -> dict
     tracer = subprocess.Popen(["strace", "-f", "-c", "-q", "-p", str(pid), "-o", str(out)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.5)  # attached to every thread before the load starts
-    r = run_wrk(url, BODIES["nonstream"], conc, seconds, script)
+    r = kit.run_wrk(url, kit.BODIES["nonstream"], conc, seconds, script)
     tracer.send_signal(signal.SIGINT)
     tracer.wait(30)
     calls = {}
@@ -96,37 +82,33 @@ def syscalls(pid: int, url: str, script: str, conc: int, seconds: float) -> dict
 
 
 def measure(args) -> dict:
-    cond = {**machine(), "command": " ".join(["python3 benchmarks/cpu_budget.py", *sys.argv[1:]]),
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.cpu_budget"),
             "seconds": args.seconds, "repeats": args.repeats, "build": args.build, "concurrency": args.conc}
-    cond["wrk"] = " ".join(subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split()[:2])
+    cond["wrk"] = kit.wrk_version()
     points: list[dict] = []
     traced: dict[str, dict] = {}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        tree = ROOT
+        tree = kit.ROOT
         if args.build == "compiled":
             tree = tmp / "compiled"
             cond["compile_s"] = round(compiled_copy(tree))
-        script = tmp / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        engine_port = free_port()
+        script = kit.wrk_script(tmp)
         try:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
-                                           str(engine_port)]))
-            wait_http(f"http://127.0.0.1:{engine_port}/health")
-            targets = start(tmp, tree, engine_port, procs)
+            engine = kit.start_engine(procs)
+            targets = start(tmp, tree, engine, procs)
             for base, _ in targets.values():  # imports, connections, caches
-                run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 64, 1.0, str(script))
+                kit.run_wrk(base + "/v1/chat/completions", kit.BODIES["nonstream"], 64, 1.0, script)
             for rep in range(args.repeats):
                 turn = rep * 3 % len(TARGETS)
                 for conc in args.conc:
                     for name in (*TARGETS[turn:], *TARGETS[:turn]):
                         base, pid = targets[name]
-                        u0, s0 = cpu_times(pid)
-                        r = run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], conc, args.seconds,
-                                    str(script))
-                        u1, s1 = cpu_times(pid)
+                        u0, s0 = kit.cpu_times(pid)
+                        r = kit.run_wrk(base + "/v1/chat/completions", kit.BODIES["nonstream"], conc, args.seconds,
+                                        script)
+                        u1, s1 = kit.cpu_times(pid)
                         n = max(r["requests"], 1)
                         r.update(target=name, rep=rep, conc=conc, rps=r["requests"] / (r["duration_us"] / 1e6),
                                  user_us=(u1 - u0) / n * 1e6, sys_us=(s1 - s0) / n * 1e6)
@@ -136,9 +118,9 @@ def measure(args) -> dict:
             if shutil.which("strace"):
                 for conc in args.conc:
                     for name, (base, pid) in targets.items():
-                        traced[f"{name}@{conc}"] = syscalls(pid, base + "/v1/chat/completions", str(script), conc, 2.0)
+                        traced[f"{name}@{conc}"] = syscalls(pid, base + "/v1/chat/completions", script, conc, 2.0)
         finally:
-            stop_all(procs)
+            kit.stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "points": points, "syscalls": traced}
 
@@ -166,7 +148,7 @@ def markdown(data: dict) -> str:
     sc_any = bool(data.get("syscalls"))
     threads = "2 threads, 1 at c=1" if 1 in concs else "2 threads"
     lines = ["# Where a request's CPU goes", "",
-             run_line(c) + f"; {c['wrk']}.", "",
+             kit.run_line(c) + f"; {c['wrk']}.", "",
              "Non-streamed requests from wrk (" + ", ".join(f"c={n}" for n in concs) + f"; {threads}), "
              f"{c['seconds']:g} s per target, concurrency and round, {c['repeats']} rounds, the targets' order "
              "rotated between rounds; one zero-delay engine (`benchmarks/fast_engine.py`, a 16-token reply); every "
@@ -186,7 +168,8 @@ def markdown(data: dict) -> str:
 
 def _section(conc: int, pts: list[dict], sc: dict[str, dict], titled: bool) -> list[str]:
     """One concurrency's table and what it says."""
-    f = {t: {k: med([p[k] for p in pts if p["target"] == t]) for k in ("cpu_us", "user_us", "sys_us", "rps")}
+    f = {t: {k: kit.median_spread([p[k] for p in pts if p["target"] == t])
+             for k in ("cpu_us", "user_us", "sys_us", "rps")}
          for t in TARGETS if any(p["target"] == t for p in pts)}
     lines = [f"## c={conc}", ""] if titled else []
     lines += ["| target | CPU / request us | user us | system us | req/s | syscalls / request |",
@@ -194,8 +177,8 @@ def _section(conc: int, pts: list[dict], sc: dict[str, dict], titled: bool) -> l
     for t, v in f.items():
         calls = sc.get(t, {})
         top = ", ".join(f"{k} {n:.2f}" for k, n in sorted(calls.items(), key=lambda x: -x[1]) if n >= 0.05)
-        lines.append(f"| {t} | {v['cpu_us'][0]:,.1f} (±{v['cpu_us'][1]:.0%}) | {v['user_us'][0]:,.1f} | "
-                     f"{v['sys_us'][0]:,.1f} | {v['rps'][0]:,.0f} (±{v['rps'][1]:.0%}) | "
+        lines.append(f"| {t} | {kit.pm(v['cpu_us'], ',.1f')} | {v['user_us'][0]:,.1f} | "
+                     f"{v['sys_us'][0]:,.1f} | {kit.pm(v['rps'])} | "
                      + (f"{sum(calls.values()):.2f} ({top})" if calls else "-") + " |")
     lines.append("")
     reading = []
@@ -255,7 +238,7 @@ def main() -> None:
                     help="the gateways' tree: compiled as the image runs it (default), or the plain sources")
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
-    save_and_render("cpu_budget", None if args.render else measure(args), markdown)
+    kit.save_and_render("cpu_budget", None if args.render else measure(args), markdown)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
 #
 # Each prompt starts with a unique head, so no request reuses another's cached prefix.
 #
-# Usage: python benchmarks/e2e_timing.py [--engines llamacpp vllm] [--repeats 3] [--per-repeat 5]
+# Usage: python3 -m benchmarks.e2e_timing [--engines llamacpp vllm] [--repeats 3] [--per-repeat 5]
 # Writes benchmarks/results/e2e_timing.{json,md}; --markdown-only rewrites the .md from the .json.
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,15 +32,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
+from benchmarks import kit
+from gateway.routing.relay import is_token_event
+from tests.e2e import wire  # the e2e suite's real engines and the in-process gateway its tests run
+from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server
+from tests.e2e.targets import PUBLIC_MODEL, backend, config, last_sample
+from tests.gateway_harness import USER_KEY, RunningGateway, start_gateway
 
-from gateway.routing.relay import is_token_event  # noqa: E402
-from tests.e2e import wire  # noqa: E402
-from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server  # noqa: E402
-from tests.e2e.targets import PUBLIC_MODEL, backend, config, last_sample  # noqa: E402
-from tests.gateway_harness import USER_KEY, RunningGateway, start_gateway  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 # filler words after the unique head: ~30, ~480 and ~1,500 prompt tokens in the tiny vocabulary
 PROMPTS = {"short": 0, "medium": 95, "long": 290}
 FILLER = "route"
@@ -246,25 +242,15 @@ def reading(data: dict[str, Any]) -> str:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": kit.host(),
         "load": ", ".join(f"{x:.1f}" for x in os.getloadavg()), "output_tokens": args.output_tokens,
-        "commit": _git("rev-parse", "--short", "HEAD") + (" (uncommitted changes)" if _git("status", "--porcelain")
-                                                          else ""),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python -m benchmarks.e2e_timing " + " ".join(sys.argv[1:]),
+        "commit": kit.commit() + (" (uncommitted changes)" if kit.changed_paths() else ""),
+        "date": kit.utc_date(), "command": kit.command("benchmarks.e2e_timing"),
         "repeats": args.repeats, "per_repeat": args.per_repeat, "engines": {}}
     for engine in args.engines:
         data["engines"][engine] = await bench_engine(engine, args)
     data["load_after"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return data
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
@@ -273,7 +259,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-repeat", type=int, default=5)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=RESULTS / "e2e_timing")
+    parser.add_argument("--out", type=Path, default=kit.RESULTS / "e2e_timing")
     parser.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the .json")
     args = parser.parse_args()
     if args.markdown_only:

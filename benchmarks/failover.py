@@ -18,7 +18,7 @@
 # times by default); benchmarks/failover_report.py writes the medians over the repeats with their
 # min..max. Exits 1 when any repeat lost a request.
 #
-# Usage: python -m benchmarks.failover [--requests 2000] [--concurrency 32] [--repeats 3] [--from-json FILE]
+# Usage: python3 -m benchmarks.failover [--requests 2000] [--concurrency 32] [--repeats 3] [--from-json FILE]
 # Writes benchmarks/results/failover.{json,md}.
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import random
 import re
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,13 +44,10 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import failover_report
-from failover_procs import ENGINES, Engine, Gateway, gateway_toml
-
+from benchmarks import failover_report, kit
+from benchmarks.failover_procs import ENGINES, Engine, Gateway, gateway_toml
 from gateway.sim.profiles import get_profile
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = re.compile(rb'"content":"[^"]')
 HOLD_S, SETTLE_S = 3.5, 3.0  # each fault lasts HOLD_S, then SETTLE_S of healthy running
 SCHEDULE = [("kill", ("vllm-1",)), ("hang", ("sglang-0",)), ("5xx", ("llama-0",)), ("slow", ("vllm-0",)),
@@ -366,24 +362,17 @@ async def run_once(args) -> tuple[dict, dict]:
 
 
 def tree_state() -> dict:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(("git", *cmd), capture_output=True, text=True, check=True,
-                                  cwd=Path(__file__).parent).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    changed = [line[3:] for line in git("status", "--porcelain").splitlines()]
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty_paths": len(changed),
+    changed = kit.changed_paths()
+    return {"commit": kit.commit(), "dirty_paths": len(changed),
             # The code under test: an uncommitted change there makes the commit alone not reproduce the run.
             "dirty_gateway_paths": sum(1 for p in changed if p.startswith(("gateway/", "backends/")))}
 
 
 async def main(args) -> dict:
     started = time.monotonic()
-    meta = {**tree_state(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    meta = {**tree_state(), "date": kit.utc_date(),
             "machine": platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_before": os.getloadavg(), "command": " ".join(["python -m benchmarks.failover", *sys.argv[1:]]),
+            "load_before": os.getloadavg(), "command": kit.command("benchmarks.failover"),
             "requests": args.requests, "concurrency": args.concurrency, "repeats": args.repeats,
             "hold_s": HOLD_S, "settle_s": SETTLE_S, "schedule": SCHEDULE, "max_tokens": MAX_TOKENS,
             "poll_s": POLL_S, "fault_margin_s": FAULT_MARGIN_S, "timeout_kinds": TIMEOUT_KINDS,
@@ -402,12 +391,6 @@ async def main(args) -> dict:
     return {"meta": meta, "runs": runs}
 
 
-def write(data: dict, md_path: Path) -> None:
-    md_path.parent.mkdir(exist_ok=True)
-    md_path.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    md_path.write_text(failover_report.markdown(data))
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000)
@@ -420,6 +403,6 @@ if __name__ == "__main__":
         a.from_json.with_suffix(".md").write_text(failover_report.markdown(result))
     else:
         result = uvloop.run(main(a))
-        write(result, RESULTS / "failover.md")
+        kit.write_result(kit.RESULTS / "failover", result, failover_report.markdown(result))
     print(failover_report.markdown(result))
     sys.exit(1 if any(run["lost"] for run in result["runs"]) else 0)

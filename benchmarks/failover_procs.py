@@ -7,10 +7,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests.procs import Proc  # noqa: E402  (the same process handling as the tests)
-from tests.procs import restartable_port as free_port  # noqa: E402
+from benchmarks.loopback import Proc, restartable_port  # (the same process handling as the tests)
 
 # id -> (engine flavour, simulator profile, extra flags)
 ENGINES = {
@@ -26,7 +23,7 @@ class Engine(Proc):
     def __init__(self, id: str) -> None:
         engine, profile, extra = ENGINES[id]
         self.id, self.engine = id, engine
-        port = free_port()
+        port = restartable_port()  # a killed engine comes back on it
         super().__init__([sys.executable, "-m", "gateway.sim", "--engine", engine, "--profile", profile,
                           "--port", str(port), *extra], port, READY_PATH[engine])
 
@@ -38,7 +35,7 @@ class Engine(Proc):
 
 class Gateway(Proc):
     def __init__(self, config: Path) -> None:
-        port = free_port()
+        port = restartable_port()
         # stderr kept beside the config for a look when something goes wrong
         super().__init__([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config),
                           "--port", str(port)], port, "/readyz", log=config.with_suffix(".log"))

@@ -6,24 +6,17 @@ import argparse
 import json
 import os
 import secrets
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import uvloop
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, stop_all,  # noqa: E402
-                      wait_http)
-from routing_conditions import machine  # noqa: E402
+from benchmarks import kit
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # Limits no request of the run comes near: every request is checked and charged, none is refused.
 LIMITS = "[limits]\nrpm = 1000000000\ntpm = 1000000000000\n"
@@ -37,49 +30,24 @@ TARGET_CPU_US, TARGET_P50_MS = 10.0, 0.3
 
 
 def gateway_config(path: Path, engine: str, limits: bool, redis: bool, prefix: str, health: str = "") -> Path:
-    from gateway.keys.auth import hash_key
+    """The admin key (reloads), no access log, no [stats] section; limits and state in Redis as asked."""
     state = f'[state]\nbackend = "redis"\nredis_url = "{REDIS_URL}"\nkey_prefix = "{prefix}"\n' if redis else ""
-    path.write_text(f"""[server]
-access_log = false
-[[auth.keys]]
-id = "bench"
-sha256 = "{hash_key(KEY)}"
-admin = true
-[health]
-warmup = false
-{health}[[backends]]
-id = "engine"
-engine = "openai"
-url = "{engine}"
-models = ["bench"]
-{LIMITS if limits else ""}{state}""")
-    return path
-
-
-def start(cmd: list[str], procs: list, ready: str) -> subprocess.Popen:
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    procs.append(p)
-    wait_http(ready)
-    return p
+    return kit.gateway_config(path, engine, access_log=False, stats=None, admin=True, health=health,
+                              sections=(LIMITS if limits else "") + state)
 
 
 def drive(args, tmp: Path, prefix: str) -> list[dict]:
     procs: list[subprocess.Popen] = []
-    script = tmp / "post.lua"
-    script.write_text(WRK_SCRIPT)
-    port = free_port()
-    engine = f"http://127.0.0.1:{port}"
+    script = kit.wrk_script(tmp)
     try:
-        start([sys.executable, "benchmarks/fast_engine.py", "--port", str(port)], procs, engine + "/health")
+        engine = kit.start_engine(procs, **kit.QUIET)
         gws = {}
         for name, (limits, redis) in TARGETS.items():
             cfg = gateway_config(tmp / f"{name}.toml", engine, limits, redis, prefix)
-            gp = free_port()
-            p = start([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(gp)], procs,
-                      f"http://127.0.0.1:{gp}/readyz")
-            gws[name] = (p.pid, f"http://127.0.0.1:{gp}/v1/chat/completions")
+            base, p = kit.start_gateway(cfg, procs, **kit.QUIET)
+            gws[name] = (p.pid, base + "/v1/chat/completions")
         for _, url in gws.values():  # imports, connections, caches: warm every gateway before measuring any
-            run_wrk(url, BODIES["nonstream"], 4, 1.0, str(script))
+            kit.run_wrk(url, kit.BODIES["nonstream"], 4, 1.0, script)
         points = []
         names = list(TARGETS)
         for conc in args.concurrency:
@@ -87,43 +55,35 @@ def drive(args, tmp: Path, prefix: str) -> list[dict]:
                 for i in range(len(names)):
                     name = names[(i + rnd) % len(names)]  # the order rotates: no target always goes first
                     pid, url = gws[name]
-                    c0 = cpu_seconds(pid)
-                    r = run_wrk(url, BODIES["nonstream"], conc, args.seconds, str(script))
+                    c0 = kit.cpu_seconds(pid)
+                    r = kit.run_wrk(url, kit.BODIES["nonstream"], conc, args.seconds, script)
                     r.update(target=name, conc=conc, round=rnd,
-                             cpu_per_req_us=(cpu_seconds(pid) - c0) / max(r["requests"], 1) * 1e6)
+                             cpu_per_req_us=(kit.cpu_seconds(pid) - c0) / max(r["requests"], 1) * 1e6)
                     points.append(r)
                     print(json.dumps(r), flush=True)
-        points += same_process(args, tmp, engine, str(script), procs)
+        points += same_process(args, tmp, engine, script, procs)
         return points
     finally:
-        stop_all(procs)
-
-
-def reload(base: str) -> None:
-    req = urllib.request.Request(base + "/admin/reload", method="POST", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 200, r.read()
+        kit.stop_all(procs)
 
 
 def same_process(args, tmp: Path, engine: str, script: str, procs: list) -> list[dict]:
     """One more gateway whose [limits] are switched on and off by a configuration reload between runs: the
     comparison without the difference two processes have anyway (placement, memory layout)."""
-    cfg, port = tmp / "switch.toml", free_port()
-    base = f"http://127.0.0.1:{port}"
-    gateway_config(cfg, engine, False, False, "")
-    pid = start([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)], procs,
-                base + "/readyz").pid
-    run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 4, 1.0, script)
+    cfg = gateway_config(tmp / "switch.toml", engine, False, False, "")
+    base, gw = kit.start_gateway(cfg, procs, **kit.QUIET)
+    pid = gw.pid
+    kit.run_wrk(base + "/v1/chat/completions", kit.BODIES["nonstream"], 4, 1.0, script)
     points = []
     for conc in args.concurrency:
         for rnd in range(args.rounds):
             for limits in ((False, True) if rnd % 2 == 0 else (True, False)):
                 gateway_config(cfg, engine, limits, False, "")
-                reload(base)
-                c0 = cpu_seconds(pid)
-                r = run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], conc, args.seconds, script)
+                kit.admin_reload(base)
+                c0 = kit.cpu_seconds(pid)
+                r = kit.run_wrk(base + "/v1/chat/completions", kit.BODIES["nonstream"], conc, args.seconds, script)
                 r.update(target="switch:local" if limits else "switch:off", conc=conc, round=rnd,
-                         cpu_per_req_us=(cpu_seconds(pid) - c0) / max(r["requests"], 1) * 1e6)
+                         cpu_per_req_us=(kit.cpu_seconds(pid) - c0) / max(r["requests"], 1) * 1e6)
                 points.append(r)
                 print(json.dumps(r), flush=True)
     return points
@@ -132,7 +92,7 @@ def same_process(args, tmp: Path, engine: str, script: str, procs: list) -> list
 async def in_process(n: int, repeats: int, prefix: str) -> dict:
     """Microseconds per request of the limiter alone (plan, reserve, headers, settle), best of `repeats` runs of
     `n`: local buckets, and the Redis script over the loopback at one request at a time (a round trip each)."""
-    from gateway.keys.auth import Principal
+    from gateway.keys.principal import Principal
     from gateway.config import LimitsConfig, StateConfig
     from gateway.limits.limiter import Limiter
     from gateway.limits.redis_buckets import SharedBuckets
@@ -155,11 +115,12 @@ async def in_process(n: int, repeats: int, prefix: str) -> dict:
                     plan = lim.plan(who, "bench", cfg)
                     assert plan is not None
                     if lim.shared is None:  # as the request path does: memory state decides at once
-                        lim.take(st, plan, 40, time.monotonic())
+                        held = lim.take(plan, 40, time.monotonic())
                     else:
-                        await lim.reserve(st, plan, 40, cfg)
-                    assert st.limit is not None and st.limit_lines  # the reply head's x-ratelimit lines
-                    lim.settle(st, st.limit)
+                        held = await lim.reserve(plan, 40, cfg)
+                    st.limit, st.limit_lines = held, held.lines  # kept on the request, as the pipeline does
+                    assert st.limit_lines  # the reply head's x-ratelimit lines
+                    st.limit.settle(st.outcome)
                 best_wall = min(best_wall, (time.perf_counter() - w0) / n * 1e6)
                 best_cpu = min(best_cpu, (time.process_time() - c0) / n * 1e6)
             out[name] = {"wall_us": best_wall, "cpu_us": best_cpu}
@@ -169,11 +130,6 @@ async def in_process(n: int, repeats: int, prefix: str) -> dict:
             unlimited.plan(who, "bench", none)
         out["off"] = {"wall_us": (time.perf_counter() - t0) / n * 1e6}
     return out
-
-
-def med(values: list[float]) -> tuple[float, float]:
-    m = statistics.median(values)
-    return m, (max(values) - min(values)) / m * 100 if m else 0.0
 
 
 def table(points: list[dict]) -> tuple[str, dict]:
@@ -192,17 +148,16 @@ def table(points: list[dict]) -> tuple[str, dict]:
                 base = BASE[name]
                 d_p50 = [by[(name, r)]["p50"] - by[(base, r)]["p50"] for r in rounds]
                 d_cpu = [by[(name, r)]["cpu_per_req_us"] - by[(base, r)]["cpu_per_req_us"] for r in rounds]
-                cols = (f"{statistics.median(d_p50):+.0f} ({min(d_p50):+.0f}..{max(d_p50):+.0f}) vs {base}",
-                        f"{statistics.median(d_cpu):+.1f} ({min(d_cpu):+.1f}..{max(d_cpu):+.1f}) vs {base}")
+                cols = (f"{kit.span(d_p50, '+.0f', '..')} vs {base}", f"{kit.span(d_cpu, '+.1f', '..')} vs {base}")
             added[(conc, name)] = (statistics.median(d_p50), statistics.median(d_cpu),
                                    f"{min(d_p50):+.0f}..{max(d_p50):+.0f}", f"{min(d_cpu):+.1f}..{max(d_cpu):+.1f}",
                                    max(d_cpu) - min(d_cpu))
-            p50, s50 = med([p["p50"] for p in rows])
-            cpu, scpu = med([p["cpu_per_req_us"] for p in rows])
-            rps, srps = med([p["requests"] / (p["duration_us"] / 1e6) for p in rows])
+            p50 = kit.pm(kit.median_spread([p["p50"] for p in rows]))
+            cpu = kit.pm(kit.median_spread([p["cpu_per_req_us"] for p in rows]), ".0f")
+            rps = kit.pm(kit.median_spread([p["requests"] / (p["duration_us"] / 1e6) for p in rows]))
             p99 = statistics.median([p["p99"] for p in rows])
-            lines.append(f"| {conc if i == 0 else ''} | {name} | {p50:,.0f} (±{s50:.0f}%) | {p99:,.0f} | {cols[0]} | "
-                         f"{cpu:.0f} (±{scpu:.0f}%) | {cols[1]} | {rps:,.0f} (±{srps:.0f}%) |")
+            lines.append(f"| {conc if i == 0 else ''} | {name} | {p50} | {p99:,.0f} | {cols[0]} | {cpu} | {cols[1]} | "
+                         f"{rps} |")
     return "\n".join(lines), added
 
 
@@ -298,15 +253,14 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--out", default=str(RESULTS / "limits"))
+    ap.add_argument("--out", default=str(kit.RESULTS / "limits"))
     ap.add_argument("--render", action="store_true", help="only write OUT.md again from OUT.json")
     args = ap.parse_args()
     if args.render:
-        out = Path(args.out)
-        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        kit.render_again(Path(args.out), markdown)
         return 0
     prefix = f"shapegate-bench:{secrets.token_hex(4)}:"
-    conditions = {**machine(), "command": "python3 " + shlex.join(["benchmarks/limits.py", *sys.argv[1:]]),
+    conditions = {**kit.provenance(), "command": kit.command("benchmarks.limits"),
                   "seconds": args.seconds, "rounds": args.rounds, "concurrency": args.concurrency,
                   "redis": redis_version(), "n_in_process": 20_000, "repeats_in_process": 5}
     try:
@@ -320,10 +274,7 @@ def main() -> int:
     res = {"conditions": conditions, "points": points, "in_process": in_proc}
     report = markdown(res)
     print(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(report)
+    kit.write_result(Path(args.out), res, report)
     return 0
 
 

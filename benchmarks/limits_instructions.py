@@ -6,7 +6,6 @@ import argparse
 import http.client
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -15,13 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limits import TARGET_CPU_US, gateway_config, reload  # noqa: E402
-from overhead import BODIES, KEY, cpu_seconds, cpu_times, free_port, wait_http  # noqa: E402
-from routing_conditions import machine  # noqa: E402
+from benchmarks import kit
+from benchmarks.limits import TARGET_CPU_US, gateway_config
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 # Why instructions: per-request CPU time of one gateway on this machine kind moves by 5-30 % from run to run
 # (a shared virtual machine), while the limiter adds a few percent; callgrind counts the instructions the
 # process executes, the same for the same work whatever else the machine does. Native CPU time per request is
@@ -37,8 +32,8 @@ def config(path: Path, engine: str, limits: bool) -> None:
 def send(port: int, n: int) -> None:
     """n non-streamed requests one after another on one keep-alive connection, each checked."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = BODIES["nonstream"].encode()
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = kit.BODIES["nonstream"].encode()
+    headers = {"Authorization": f"Bearer {kit.KEY}", "Content-Type": "application/json"}
     try:
         for _ in range(n):
             conn.request("POST", "/v1/chat/completions", body, headers)
@@ -49,64 +44,31 @@ def send(port: int, n: int) -> None:
         conn.close()
 
 
-def callgrind(pid: int, *args: str) -> None:
-    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
-
-
-def dumped_total(out_dir: Path, before: set[Path]) -> int:
-    """Instructions in the newest dump (callgrind writes `summary:` or `totals:` with the Ir count)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        new = sorted(set(out_dir.glob("callgrind.out*")) - before, key=lambda p: p.stat().st_mtime)
-        for path in new:
-            for line in reversed(path.read_text(errors="replace").splitlines()):
-                if line.startswith(("summary:", "totals:")):
-                    return int(line.split()[1])
-        time.sleep(0.2)
-    raise RuntimeError("no callgrind dump appeared")
-
-
-def window(pid: int, out_dir: Path, work) -> dict:
-    """Instructions the process executes while work() runs, and the window's wall time."""
-    before = set(out_dir.glob("callgrind.out*"))
-    callgrind(pid, "--zero")
-    callgrind(pid, "--instr=on")
-    t0 = time.monotonic()
-    work()
-    wall = time.monotonic() - t0
-    callgrind(pid, "--instr=off")
-    callgrind(pid, "--dump")
-    return {"instructions": dumped_total(out_dir, before), "wall_s": wall}
-
-
 def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
     """One gateway under callgrind, its [limits] switched by reloads; instructions per request of each phase."""
-    cfg, port = tmp / "counted.toml", free_port()
+    cfg, port = tmp / "counted.toml", kit.free_port()
     config(cfg, engine, False)
     out_dir = tmp / "cg"
     out_dir.mkdir()
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                          f"--callgrind-out-file={out_dir}/callgrind.out.%p",
-                          sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
-                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([*kit.callgrind_argv(out_dir), *kit.serve_argv(cfg, port)], cwd=kit.ROOT, **kit.QUIET)
     points: list[dict] = []
     idles: list[dict] = []
     try:
-        wait_http(f"http://127.0.0.1:{port}/readyz", timeout=300)
+        kit.wait_http(f"http://127.0.0.1:{port}/readyz", timeout=300)
         send(port, args.warm)
         for rnd in range(args.rounds):
             # The gateway's timers (loop-lag probe, connection sweeps) run by wall time, and callgrind stretches each
             # counted window differently: their rate, counted with no request in flight, is taken out of each window.
-            w = window(p.pid, out_dir, lambda: time.sleep(args.idle))
+            w = kit.window(p.pid, out_dir, lambda: time.sleep(args.idle))
             idle = {"round": rnd, "idle_s": w["wall_s"], "instructions": w["instructions"]}
             idles.append(idle)
             print(json.dumps(idle), flush=True)
             for limits in ((False, True) if rnd % 2 == 0 else (True, False)):
                 config(cfg, engine, limits)
-                reload(f"http://127.0.0.1:{port}")
+                kit.admin_reload(f"http://127.0.0.1:{port}")
                 send(port, args.warm)  # the new plan, caches and buckets made before the count starts
                 before = set(out_dir.glob("callgrind.out*"))
-                w = window(p.pid, out_dir, lambda: send(port, args.requests))
+                w = kit.window(p.pid, out_dir, lambda: send(port, args.requests))
                 total, wall_s = w["instructions"], w["wall_s"]
                 if args.keep:  # for callgrind_annotate: where the instructions went
                     Path(args.keep).mkdir(parents=True, exist_ok=True)
@@ -117,32 +79,30 @@ def counted(args, tmp: Path, engine: str) -> tuple[list[dict], list[dict]]:
                 points.append(point)
                 print(json.dumps(point), flush=True)
     finally:
-        p.terminate()
-        p.wait(60)
+        kit.stop_all([p], timeout=60)
     return points, idles
 
 
 def native(args, tmp: Path, engine: str) -> list[dict]:
     """CPU microseconds per request (user space, and user+system) of the same gateway without callgrind, limits
     off, the same client."""
-    cfg, port = tmp / "native.toml", free_port()
+    cfg = tmp / "native.toml"
     config(cfg, engine, False)
-    p = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)],
-                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs: list[subprocess.Popen] = []
     out = []
     try:
-        wait_http(f"http://127.0.0.1:{port}/readyz")
+        base, p = kit.start_gateway(cfg, procs, **kit.QUIET)
+        port = int(base.rsplit(":", 1)[1])
         send(port, args.warm * 10)
         for _ in range(args.rounds):
             # user time: what the instructions callgrind counts run in (not the kernel's socket work, which
             # limits do not change)
-            c0, u0 = cpu_seconds(p.pid), cpu_times(p.pid)[0]
+            c0, u0 = kit.cpu_seconds(p.pid), kit.cpu_times(p.pid)[0]
             send(port, args.native_requests)
-            out.append({"cpu_us": (cpu_seconds(p.pid) - c0) / args.native_requests * 1e6,
-                        "user_us": (cpu_times(p.pid)[0] - u0) / args.native_requests * 1e6})
+            out.append({"cpu_us": (kit.cpu_seconds(p.pid) - c0) / args.native_requests * 1e6,
+                        "user_us": (kit.cpu_times(p.pid)[0] - u0) / args.native_requests * 1e6})
     finally:
-        p.terminate()
-        p.wait(30)
+        kit.stop_all(procs, timeout=30)
     return out
 
 
@@ -220,7 +180,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)  # a round moves by a few thousand instructions: 5, not 3
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of each round's idle window")
-    ap.add_argument("--out", default=str(RESULTS / "limits_instructions"))
+    ap.add_argument("--out", default=str(kit.RESULTS / "limits_instructions"))
     ap.add_argument("--keep", help="copy callgrind's dumps of the counted phases into this directory")
     ap.add_argument("--from-json", help="re-render the report from a saved result instead of measuring")
     args = ap.parse_args()
@@ -229,28 +189,22 @@ def main() -> int:
         Path(args.out).with_suffix(".md").write_text(report)
         print(report)
         return 0
-    conditions = {**machine(), "command": "python3 " + shlex.join(["benchmarks/limits_instructions.py", *sys.argv[1:]]),
+    conditions = {**kit.provenance(), "command": kit.command("benchmarks.limits_instructions"),
                   "requests": args.requests, "native_requests": args.native_requests, "warm": args.warm,
                   "rounds": args.rounds, "idle_s": args.idle}
-    engine_port = free_port()
-    engine = f"http://127.0.0.1:{engine_port}"
-    eng = subprocess.Popen([sys.executable, "benchmarks/fast_engine.py", "--port", str(engine_port)], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs: list[subprocess.Popen] = []
     try:
-        wait_http(engine + "/health")
+        engine = kit.start_engine(procs, **kit.QUIET)
         with tempfile.TemporaryDirectory() as d:
             points, idles = counted(args, Path(d), engine)
             cpu = native(args, Path(d), engine)
     finally:
-        eng.terminate()
-        eng.wait(10)
+        kit.stop_all(procs)
     conditions["load_after"] = os.getloadavg()
     res = {"conditions": conditions, "points": points, "idle": idles, "native": cpu}
     report = markdown(res)
     print(report)
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.with_suffix(".md").write_text(report)
+    kit.write_result(Path(args.out), res, report)
     return 0
 
 

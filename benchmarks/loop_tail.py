@@ -4,35 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 import os
+import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (BODIES, KEY, WRK_SCRIPT, cpu_seconds, free_port, run_wrk, stop_all,  # noqa: E402
-                      wait_http, write_gateway_config)
-from routing_conditions import machine  # noqa: E402
+from benchmarks import kit
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = ("frozen", "unfrozen")
-
-
-def loop_figures(base: str) -> dict[str, float]:
-    """The gateway's own loop-lag and GC-pause counters from /metrics (histogram counts and sums)."""
-    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("shapegate_gc_pause_seconds_", "shapegate_event_loop_lag_seconds_")):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -47,70 +26,46 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def measure(args) -> dict:
-    cond = {**machine(), "command": "python3 benchmarks/loop_tail.py " + " ".join(sys.argv[1:]),
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.loop_tail"),
             "seconds": args.seconds, "repeats": args.repeats, "concurrency": 64}
     points = []
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        script = tmp / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        port = free_port()
-        engine = f"http://127.0.0.1:{port}"
+        script = kit.wrk_script(tmp)
         try:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"),
-                                           "--port", str(port)]))
-            wait_http(engine + "/health")
+            engine = kit.start_engine(procs)
             gateways = {}
             for name in TARGETS:
-                gport = free_port()
-                cfg = write_gateway_config(tmp / f"{name}.toml", engine,
-                                           server=f"gc_freeze = {str(name == 'frozen').lower()}")
-                p = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg),
-                                      "--port", str(gport)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-                procs.append(p)
-                gateways[name] = (f"http://127.0.0.1:{gport}", p.pid)
-                wait_http(gateways[name][0] + "/readyz")
+                cfg = kit.gateway_config(tmp / f"{name}.toml", engine,
+                                         server=f"gc_freeze = {str(name == 'frozen').lower()}")
+                base, p = kit.start_gateway(cfg, procs, **kit.QUIET)
+                gateways[name] = (base, p.pid)
             for name, (base, _) in gateways.items():  # warm-up: imports, connections, caches
-                run_wrk(base + "/v1/chat/completions", BODIES["nonstream"], 4, 1.0, str(script))
+                kit.run_wrk(base + "/v1/chat/completions", kit.BODIES["nonstream"], 4, 1.0, script)
             for kind in args.kinds:
                 for rep in range(args.repeats):
                     order = TARGETS if rep % 2 == 0 else TARGETS[::-1]
                     for name in order:
                         base, pid = gateways[name]
-                        f0, c0 = loop_figures(base), cpu_seconds(pid)
-                        r = run_wrk(base + "/v1/chat/completions", BODIES[kind], 64, args.seconds, str(script))
-                        cpu = cpu_seconds(pid) - c0
-                        r.update(delta(loop_figures(base), f0), target=name, kind=kind, rep=rep,
+                        f0, c0 = kit.loop_figures(base), kit.cpu_seconds(pid)
+                        r = kit.run_wrk(base + "/v1/chat/completions", kit.BODIES[kind], 64, args.seconds, script)
+                        cpu = kit.cpu_seconds(pid) - c0
+                        r.update(delta(kit.loop_figures(base), f0), target=name, kind=kind, rep=rep,
                                  rps=r["requests"] / (r["duration_us"] / 1e6),
                                  cpu_per_req_us=cpu / r["requests"] * 1e6 if r["requests"] else None)
                         points.append(r)
                         print(json.dumps(r), flush=True)
         finally:
-            stop_all(procs)
+            kit.stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "points": points}
-
-
-def med(xs: list[float]) -> tuple[float, float]:
-    m = statistics.median(xs)
-    return m, ((max(xs) - min(xs)) / m if m else 0.0)
-
-
-def run_line(c: dict) -> str:
-    """A report's provenance: date, commit (and how many paths differed from it), machine, load average before
-    and after, command; without the closing full stop."""
-    dirty = f" (with {len(c['dirty_paths'])} changed paths)" if c["dirty_paths"] else ""
-    return (f"Run {c['date']} at commit `{c['commit']}`{dirty}; {c['machine']}; load average before "
-            f"{', '.join(f'{x:.2f}' for x in c['load_before'])}, after "
-            f"{', '.join(f'{x:.2f}' for x in c['load_after'])}. Command: `{c['command']}`")
 
 
 def markdown(data: dict) -> str:
     c = data["conditions"]
     lines = ["# Where the c=64 tail comes from: the start-up heap in garbage collection", "",
-             run_line(c) + ".", "",
+             kit.run_line(c) + ".", "",
              f"wrk at c=64 for {c['seconds']:g} s per point, {c['repeats']} rounds, the two gateways' order "
              "alternating, against `benchmarks/fast_engine.py` (zero delay). Both gateways run this tree with "
              "the same config but for `[server] gc_freeze`. GC pauses and loop lag are the gateway's own "
@@ -128,11 +83,11 @@ def markdown(data: dict) -> str:
             ps = by.get((kind, name), [])
             if not ps:
                 continue
-            f = {k: med([p[k] for p in ps]) for k in ("p50", "p99", "rps", "cpu_per_req_us", "gen2_collections",
-                                                       "gen2_pause_ms", "gc_pause_ms", "lag_over_10ms")}
+            f = {k: kit.median_spread([p[k] for p in ps])
+                 for k in ("p50", "p99", "rps", "cpu_per_req_us", "gen2_collections", "gen2_pause_ms", "gc_pause_ms",
+                           "lag_over_10ms")}
             row[name] = f
-            lines.append(f"| {kind} | {name} | {f['p50'][0]:,.0f} (±{f['p50'][1]:.0%}) | "
-                         f"{f['p99'][0]:,.0f} (±{f['p99'][1]:.0%}) | {f['rps'][0]:,.0f} (±{f['rps'][1]:.0%}) | "
+            lines.append(f"| {kind} | {name} | {kit.pm(f['p50'])} | {kit.pm(f['p99'])} | {kit.pm(f['rps'])} | "
                          f"{f['cpu_per_req_us'][0]:,.0f} | {f['gen2_collections'][0]:.0f} | "
                          f"{f['gen2_pause_ms'][0]:,.1f} | {f['gc_pause_ms'][0]:,.1f} | {f['lag_over_10ms'][0]:.0f} |")
         if len(row) == 2:
@@ -156,22 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kinds", nargs="+", default=["nonstream", "stream"], choices=sorted(BODIES))
+    ap.add_argument("--kinds", nargs="+", default=["nonstream", "stream"], choices=sorted(kit.BODIES))
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
-    save_and_render("loop_tail", None if args.render else measure(args), markdown)
+    kit.save_and_render("loop_tail", None if args.render else measure(args), markdown)
 
-
-def save_and_render(stem: str, data: dict | None, render) -> None:
-    """Keep a run's data as RESULTS/stem.json (None: re-render the saved one) and write its report stem.md."""
-    out = RESULTS / f"{stem}.json"
-    if data is None:
-        data = json.loads(out.read_text())
-    else:
-        out.write_text(json.dumps(data, indent=1))
-    text = render(data)
-    (RESULTS / f"{stem}.md").write_text(text)
-    print(text)
 
 if __name__ == "__main__":
     main()

@@ -5,13 +5,10 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+from benchmarks import kit
+
 EVENTS = 203  # data events per stream of 200 chunks: role, 200 tokens, finish, usage ([DONE] not counted)
 LABEL = {"nonstream": "non-streamed", "stream": "streams"}
-
-
-def med_spread(values: list[float]) -> tuple[float, float]:
-    m = statistics.median(values)
-    return m, (max(values) - min(values)) / m * 100 if m else 0.0
 
 
 def by_rep(pts: list[dict], kind: str, conc: int, target: str) -> dict[int, dict]:
@@ -33,14 +30,13 @@ def ratios(pts: list[dict], kind: str, conc: int, key: str) -> list[float]:
 
 
 def fmt(values: list[float], spread: bool = True) -> str:
-    m, s = med_spread(values)
-    return f"{m:,.0f} (±{s:.0f}%)" if spread and len(values) > 1 else f"{m:,.0f}"
+    return kit.pm(kit.median_spread(values)) if spread and len(values) > 1 else f"{statistics.median(values):,.0f}"
 
 
 def fmt_ratio(values: list[float]) -> str:
     if len(values) < 2:
         return f"{values[0]:.2f}" if values else "-"
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return kit.span(values)
 
 
 def table(results: dict) -> str:
@@ -139,7 +135,7 @@ def notes(results: dict) -> list[str]:
                "- wrk counted errors, which the rates and CPU per request above include: "
                + "; ".join(f"{k}: {v:,}" for k, v in errors.items()) + ".")
     if c["repeats"] > 1:
-        spreads = [med_spread([p["cpu_per_req_us"] for p in by_rep(pts, k, n, g).values()])[1]
+        spreads = [kit.median_spread([p["cpu_per_req_us"] for p in by_rep(pts, k, n, g).values()])[1] * 100
                    for k, n in cells(results) for g in gws]
         out.append(f"- The gateways' CPU per request varied between repeats by {statistics.median(spreads):.0f}% "
                    f"(median over the points; largest {max(spreads):.0f}%).")

@@ -7,24 +7,14 @@ import argparse
 import http.client
 import json
 import os
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limits_instructions import window  # noqa: E402
-from loop_tail import med, run_line, save_and_render  # noqa: E402
-from overhead import (BODIES, KEY, LAUNCH, export_revision, free_port, stop_all, wait_http,  # noqa: E402
-                      write_gateway_config)
-from routing_conditions import machine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from deploy.compile import compiled_copy  # noqa: E402
+from benchmarks import kit
+from deploy.compile import compiled_copy
 
 # Why instructions: CPU time per request moves by 5-30 % from run to run on this machine kind (a shared virtual
 # machine), more than most changes to the request path; callgrind counts what the process executes, the same for
@@ -46,23 +36,21 @@ STREAM_TOKENS = 50
 # Tokens 10 ms apart: with 2 ms, a stream's count moved by up to 4 % between rounds (the gateway, slowed down by
 # callgrind, likely finds more than one token in some reads).
 STREAM_INTERVAL_S = 0.01
-HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+HEADERS = {"Authorization": f"Bearer {kit.KEY}", "Content-Type": "application/json"}
 
 
-def config(path: Path, engine: str, feature_off: str | None, src: Path = ROOT) -> Path:
-    sections = QUIET_HEALTH + ('[routing]\npolicy = "round_robin"\n' if feature_off == "round robin" else "")
-    cfg = write_gateway_config(path, engine, access_log=feature_off != "no access log",
-                               stats=feature_off != "no stats upkeep", sections=sections, stats_lines=QUIET_REFIT
-                               if "refit_interval_s" in (src / "gateway" / "config.py").read_text() else "")
-    if feature_off == "no API-key auth":  # (the key stays listed: the client sends it to every target alike)
-        cfg.write_text(cfg.read_text().replace("[[auth.keys]]", "[auth]\nenabled = false\n[[auth.keys]]", 1))
-    return cfg
+def config(path: Path, engine: str, feature_off: str | None, src: Path = kit.ROOT) -> Path:
+    return kit.gateway_config(
+        path, engine, access_log=feature_off != "no access log", stats=feature_off != "no stats upkeep",
+        auth=feature_off != "no API-key auth", health=QUIET_HEALTH,
+        sections='[routing]\npolicy = "round_robin"\n' if feature_off == "round robin" else "",
+        stats_lines=QUIET_REFIT if "refit_interval_s" in (src / "gateway" / "config.py").read_text() else "")
 
 
 def send(port: int, kind: str, n: int) -> None:
     """n requests of `kind` one after another on one keep-alive connection, each read to its end and checked."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = BODIES["nonstream" if kind == "nonstream" else "stream"].encode()
+    body = kit.BODIES["nonstream" if kind == "nonstream" else "stream"].encode()
     try:
         for _ in range(n):
             conn.request("POST", "/v1/chat/completions", body, HEADERS)
@@ -78,31 +66,24 @@ def send(port: int, kind: str, n: int) -> None:
 def start_engine(kind: str, procs: list) -> str:
     """A zero-delay engine for whole replies, or one streaming STREAM_TOKENS tokens one write each (their chunks as
     vLLM's, or as SGLang's with "usage": null in each)."""
-    port = free_port()
-    cmd = ([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port", str(port)] if kind == "nonstream"
-           else [sys.executable, str(ROOT / "benchmarks" / "slow_engine.py"), "--port", str(port),
-                 "--tokens", str(STREAM_TOKENS), "--interval", str(STREAM_INTERVAL_S)]
-           + (["--null-usage"] if kind == "stream-sglang" else []))
-    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return f"http://127.0.0.1:{port}"
+    if kind == "nonstream":
+        return kit.start_engine(procs, **kit.QUIET)
+    return kit.start_engine(procs, "--tokens", str(STREAM_TOKENS), "--interval", str(STREAM_INTERVAL_S),
+                            *(["--null-usage"] if kind == "stream-sglang" else []), name="slow_engine.py", **kit.QUIET)
 
 
 def start_counted(src: Path, cfg: Path, out_dir: Path, procs: list) -> tuple[int, int]:
     """A gateway from source tree src under callgrind with counting off: (port, pid)."""
-    port = free_port()
+    port = kit.free_port()
     out_dir.mkdir()
-    p = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                          f"--callgrind-out-file={out_dir}/callgrind.out.%p", sys.executable, "-c", LAUNCH,
-                          "serve", "--config", str(cfg), "--port", str(port)],
-                         cwd=src, env={**os.environ, "PYTHONPATH": str(src)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([*kit.callgrind_argv(out_dir), *kit.serve_argv(cfg, port, src)], cwd=src,
+                         env=kit.tree_env(src), **kit.QUIET)
     procs.append(p)
     return port, p.pid
 
 
 def measure(args, baseline: Path | None, rev: str | None, compiled: Path | None = None) -> dict:
-    cond = {**machine(), "command": "python3 " + shlex.join(["benchmarks/path_instructions.py", *sys.argv[1:]]),
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.path_instructions"),
             "rounds": args.rounds, "requests": {k: args.requests if k == "nonstream" else args.streams for k in KINDS},
             "idle_s": args.idle, "warm": args.warm, "baseline": rev, "stream_tokens": STREAM_TOKENS,
             "stream_interval_s": STREAM_INTERVAL_S}
@@ -118,25 +99,25 @@ def measure(args, baseline: Path | None, rev: str | None, compiled: Path | None 
                 running = {}
                 for i, name in enumerate(targets):
                     src = (baseline if name.startswith("baseline") and baseline is not None
-                           else compiled if name == COMPILED and compiled is not None else ROOT)
+                           else compiled if name == COMPILED and compiled is not None else kit.ROOT)
                     cfg = config(tmp / f"{i}.toml", engine, name if name in FEATURES else None, src)
                     running[name] = (*start_counted(src, cfg, tmp / f"cg{i}", procs), tmp / f"cg{i}")
                 for name, (port, _, _) in running.items():
-                    wait_http(f"http://127.0.0.1:{port}/readyz", timeout=600)
+                    kit.wait_http(f"http://127.0.0.1:{port}/readyz", timeout=600)
                     send(port, kind, args.warm)
                 for rnd in range(args.rounds):
                     for name in (targets if rnd % 2 == 0 else targets[::-1]):
                         port, pid, out_dir = running[name]
                         # Timer-driven work (the loop-lag probe, sweeps) runs by wall time, and callgrind stretches
                         # each window differently: its rate, with no request in flight, is taken out in the report.
-                        idle = window(pid, out_dir, lambda: time.sleep(args.idle))
+                        idle = kit.window(pid, out_dir, lambda: time.sleep(args.idle))
                         n = cond["requests"][kind]
-                        busy = window(pid, out_dir, lambda p=port, k=kind, n=n: send(p, k, n))
+                        busy = kit.window(pid, out_dir, lambda p=port, k=kind, n=n: send(p, k, n))
                         point = {"kind": kind, "target": name, "round": rnd, "requests": n, "busy": busy, "idle": idle}
                         points.append(point)
                         print(json.dumps(point), flush=True)
             finally:
-                stop_all(procs)
+                kit.stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "targets": targets, "points": points}
 
@@ -149,7 +130,7 @@ def per_request(p: dict) -> float:
 
 def markdown(data: dict) -> str:
     c = data["conditions"]
-    lines = ["# Instructions per request, the request path's features one by one", "", run_line(c) + ".", "",
+    lines = ["# Instructions per request, the request path's features one by one", "", kit.run_line(c) + ".", "",
              f"Each target is one gateway process (`benchmarks/overhead.py`'s config: API-key auth, a JSON access log "
              f"to /dev/null, stats upkeep, the default shape policy; probes and load scrapes an hour apart) run under "
              f"`valgrind --tool=callgrind` in front of a local engine. After {c['warm']} requests to warm it, "
@@ -173,7 +154,7 @@ def markdown(data: dict) -> str:
         rows = [p for p in data["points"] if p["kind"] == kind]
         if not rows:
             continue
-        figures = {t: med([per_request(p) for p in rows if p["target"] == t]) for t in data["targets"]}
+        figures = {t: kit.median_spread([per_request(p) for p in rows if p["target"] == t]) for t in data["targets"]}
         base = figures["defaults"][0]
         what = {"nonstream": "Non-streamed request", "stream": f"Stream of {c['stream_tokens']} tokens",
                 "stream-sglang": f"Stream of {c['stream_tokens']} tokens, SGLang's chunks"}[kind]
@@ -183,7 +164,7 @@ def markdown(data: dict) -> str:
                                 else "this tree, the request path compiled by deploy/compile.py" if t == COMPILED
                                 else "")
             against = "" if t == "defaults" else f"{m - base:+,.0f} ({(m - base) / base * 100:+.1f} %)"
-            lines.append(f"| {t}{f' ({note})' if note else ''} | {m:,.0f} (±{spread * 100:.1f}%) | {against} |")
+            lines.append(f"| {t}{f' ({note})' if note else ''} | {kit.pm((m, spread), spread='.1%')} | {against} |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,7 +181,7 @@ def main() -> None:
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
     if args.render:
-        save_and_render("path_instructions", None, markdown)
+        kit.save_and_render("path_instructions", None, markdown)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
@@ -208,12 +189,12 @@ def main() -> None:
         baseline, rev = None, None
         if args.baseline:
             baseline = Path(d) / "baseline"
-            rev = export_revision(args.baseline, baseline)
+            rev = kit.export_revision(args.baseline, baseline)
         compiled = None
         if not args.no_compiled:
             compiled = Path(d) / "compiled"
             compiled_copy(compiled)
-        save_and_render("path_instructions", measure(args, baseline, rev, compiled), markdown)
+        kit.save_and_render("path_instructions", measure(args, baseline, rev, compiled), markdown)
 
 
 if __name__ == "__main__":

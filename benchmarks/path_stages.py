@@ -16,17 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import run_line, save_and_render  # noqa: E402
-from overhead import free_port, stop_all, wait_http, write_gateway_config  # noqa: E402
-from routing_conditions import machine  # noqa: E402
+from benchmarks import kit
 
-ROOT = Path(__file__).resolve().parents[1]
 # (label, module, attribute): the callables whose entry opens a stage, roughly in the order a request meets them.
 # A function is stamped where its callers look it up: a module's global, or a class's attribute.
 STAGES = (
     ("request bytes in", "gateway.http.connection", "FrontConnection.data_received"),
-    ("request's task runs", "gateway.http.connection", "serve_api"),
+    ("request's task runs", "gateway.pipeline", "serve_api"),
     ("pipeline", "gateway.pipeline", "handle"),
     ("classify", "gateway.pipeline", "classify"),
     ("candidates", "gateway.fleet.pool", "Pool.candidates"),
@@ -138,29 +134,24 @@ def wrapper_cost(n: int = 200_000) -> float:
 
 
 def client(url: str, kind: str, seconds: float) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers_client.py"), "--url", url, "--kind", kind,
-                          "--conc", "1", "--seconds", str(seconds), "--warmup", "1"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(kit.script("peers_client.py", "--url", url, "--kind", kind, "--conc", "1", "--seconds",
+                                    str(seconds), "--warmup", "1"), capture_output=True, text=True, check=True).stdout
     return json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
 
 
 def measure(args) -> dict:
-    cond = {**machine(), "command": " ".join(["python3 benchmarks/path_stages.py", *sys.argv[1:]]),
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.path_stages"),
             "seconds": args.seconds, "rounds": args.rounds, "stamp_cost_us": wrapper_cost()}
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        engine_port, port = free_port(), free_port()
         dump = tmp / "stamps.jsonl"
-        procs = [subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port",
-                                   str(engine_port)])]
+        procs: list[subprocess.Popen] = []
         try:
-            wait_http(f"http://127.0.0.1:{engine_port}/health")
-            cfg = write_gateway_config(tmp / "gateway.toml", f"http://127.0.0.1:{engine_port}")
-            gw = subprocess.Popen([sys.executable, __file__, "--serve", str(cfg), "--port", str(port), "--dump",
-                                   str(dump)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            procs.append(gw)
-            wait_http(f"http://127.0.0.1:{port}/readyz")
+            cfg = kit.gateway_config(tmp / "gateway.toml", kit.start_engine(procs))
+            port = kit.free_port()
+            gw = kit.start([sys.executable, "-m", "benchmarks.path_stages", "--serve", str(cfg), "--port", str(port),
+                            "--dump", str(dump)], procs, f"http://127.0.0.1:{port}/readyz", cwd=kit.ROOT, **kit.QUIET)
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             for rnd in range(args.rounds):
                 for kind in ("nonstream", "stream") if rnd % 2 == 0 else ("stream", "nonstream"):
@@ -177,7 +168,7 @@ def measure(args) -> dict:
                                    "client_p50_us": seen["p50_us"], "client_ttft_p50_us": seen.get("ttft_p50_us")})
                     print(json.dumps(rounds[-1]), flush=True)
         finally:
-            stop_all(procs)
+            kit.stop_all(procs)
     cond["load_after"] = os.getloadavg()
     return {"conditions": cond, "rounds": rounds}
 
@@ -185,7 +176,7 @@ def measure(args) -> dict:
 def markdown(data: dict) -> str:
     c = data["conditions"]
     lines = ["# Where a request's time goes inside the gateway, stage by stage", "",
-             run_line(c) + ".", "",
+             kit.run_line(c) + ".", "",
              "One gateway process (`benchmarks/overhead.py`'s config: API-key auth, JSON access log to /dev/null, "
              "stats upkeep, the default shape policy) in front of `benchmarks/fast_engine.py` (zero delay; a 16-token "
              "reply, or 200 events in one write); `benchmarks/peers_client.py` sends one request at a time for "
@@ -208,11 +199,9 @@ def markdown(data: dict) -> str:
         on_path = {f"{a} → {b}" for a, b in zip(order[:first_write], order[1:first_write + 1])}
         path_total = statistics.median(sum(r["stages"][p] for p in on_path if p in r["stages"]) for r in rs)
         for p in pairs:
-            vals = [r["stages"][p] for r in rs]
-            m = statistics.median(vals)
-            spread = (max(vals) - min(vals)) / m if m else 0.0
+            m, spread = kit.median_spread([r["stages"][p] for r in rs])
             share = f"{m / path_total:.0%}" if p in on_path and path_total else "after it"
-            lines.append(f"| {p} | {m:,.1f} (±{spread:.0%}) | {share} |")
+            lines.append(f"| {p} | {kit.pm((m, spread), ',.1f')} | {share} |")
         seen = [r["client_ttft_p50_us"] if kind == "stream" else r["client_p50_us"] for r in rs]
         engine = [r["stages"].get("upstream write → engine bytes in", 0.0) for r in rs]
         lines += ["", f"From the request's bytes to the first client write: {path_total:,.1f} us, of which the "
@@ -236,7 +225,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.port, args.dump)
         return
-    save_and_render("path_stages", None if args.render else measure(args), markdown)
+    kit.save_and_render("path_stages", None if args.render else measure(args), markdown)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,15 +12,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers_targets as pt
-from overhead import BODIES as WRK_BODIES
-from overhead import WRK_SCRIPT, run_wrk
-from peers_report import markdown
-from routing_conditions import busy_cores, machine, wait_quiet
+from benchmarks import kit
+from benchmarks import peers_targets as pt
+from benchmarks.peers_report import markdown
 
-RESULTS = pt.ROOT / "benchmarks" / "results"
-CLIENT = pt.ROOT / "benchmarks" / "peers_client.py"
 POINTS = (("nonstream", 1), ("nonstream", 64), ("stream", 1), ("stream", 64), ("stream-rate", 64))
 # "stream-rate": streams started at this rate over 64 workers, whatever the target relays. At c=64 without a rate a
 # faster relay also loads the engines and the client more (they share the cores), and their own delays reach its
@@ -48,8 +42,8 @@ LABELS = {"direct": "direct", "shapegate": "shapegate", "shapegate-w2": "shapega
 def client_point(t: pt.Target, kind: str, conc: int, seconds: float, warmup: float) -> dict:
     """One point: the client in its own process; the target's CPU read when the client opens and closes its
     measured window (it prints a line at each edge), so warm-up and the last replies are not counted."""
-    cmd = [sys.executable, str(CLIENT), "--url", t.url + "/v1/chat/completions", "--kind", kind.removesuffix("-rate"),
-           "--conc", str(conc), "--seconds", str(seconds), "--warmup", str(warmup), "--key", pt.KEY]
+    cmd = kit.script("peers_client.py", "--url", t.url + "/v1/chat/completions", "--kind", kind.removesuffix("-rate"),
+                     "--conc", str(conc), "--seconds", str(seconds), "--warmup", str(warmup), "--key", kit.KEY)
     if kind.endswith("-rate"):
         cmd += ["--rate", str(STREAM_RATE)]
     load_before = os.getloadavg()
@@ -76,7 +70,7 @@ def wrk_point(t: pt.Target, seconds: float, script: str) -> dict:
     """The cross-check: wrk at c=64, non-streamed, on the same target."""
     c0 = pt.tree_cpu(t.proc.pid) if t.proc is not None else None
     try:
-        r = run_wrk(t.url + "/v1/chat/completions", WRK_BODIES["nonstream"], WRK_CONC, seconds, script)
+        r = kit.run_wrk(t.url + "/v1/chat/completions", kit.BODIES["nonstream"], WRK_CONC, seconds, script)
     except subprocess.CalledProcessError as e:
         return {"target": t.id, "error": pt.first_line(e.stderr or str(e))}
     cpu = pt.tree_cpu(t.proc.pid) - c0 if t.proc is not None and c0 is not None else None
@@ -133,7 +127,7 @@ def warm_all(args, targets: list[pt.Target], out: dict) -> None:
             out["targets"][t.id]["shape"] = pt.tree_shape(t.proc.pid)
 
 
-def run_rounds(args, targets: list[pt.Target], script: Path, out: dict) -> None:
+def run_rounds(args, targets: list[pt.Target], script: str, out: dict) -> None:
     """Each round: every point on every target (in the round's order), then wrk on every target."""
     by_id = {t.id: t for t in targets}
 
@@ -158,7 +152,7 @@ def run_rounds(args, targets: list[pt.Target], script: Path, out: dict) -> None:
                                                     "ttft_p50_us", "cpu_per_req_us", "errors")}), flush=True)
         for tid in order if args.wrk_seconds > 0 else ():
             if runs(tid):
-                w = wrk_point(by_id[tid], args.wrk_seconds, str(script))
+                w = wrk_point(by_id[tid], args.wrk_seconds, script)
                 out["wrk"].append({**w, "round": rnd})
                 print(json.dumps(w), flush=True)
 
@@ -171,23 +165,16 @@ def measure(args, tmp: Path, out: dict) -> None:
         targets = start_all(args, tmp, [u for u, _ in engines], out)
         procs += [t.proc for t in targets if t.proc is not None]
         warm_all(args, targets, out)
-        script = tmp / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        run_rounds(args, targets, script, out)
+        run_rounds(args, targets, kit.wrk_script(tmp), out)
     finally:
-        for p in procs:
-            pt.stop(p)
+        kit.stop_all(procs)
 
 
 def conditions(args) -> dict:
-    try:
-        wrk = subprocess.run(["wrk", "-v"], check=False, capture_output=True, text=True)
-    except OSError:
-        wrk = subprocess.CompletedProcess([], 1, "", "")
-    c = machine()
-    c.update(command=shlex.join(["python3", "benchmarks/peers.py", *sys.argv[1:]]), cores=os.cpu_count(),
+    c = kit.provenance()
+    c.update(command=kit.command("benchmarks.peers"), cores=os.cpu_count(),
              seconds=args.seconds, warmup=args.warmup, rounds=args.rounds, wrk_seconds=args.wrk_seconds,
-             wrk=" ".join((wrk.stdout + wrk.stderr).split()[:2]), points=[list(p) for p in POINTS],
+             wrk=kit.wrk_version(), points=[list(p) for p in POINTS],
              stream_rate=STREAM_RATE,
              engines="2 x benchmarks/fast_engine.py (zero delay, 16-token replies, 200-chunk streams)",
              shapegate_build="compiled")
@@ -206,12 +193,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 0.5 s points, 1 s of wrk")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for others to leave the cores before starting")
-    p.add_argument("--out", default=str(RESULTS / "peers"), help="writes OUT.md and OUT.json")
+    p.add_argument("--out", default=str(kit.RESULTS / "peers"), help="writes OUT.md and OUT.json")
     p.add_argument("--render", action="store_true", help="only write OUT.md again from OUT.json")
     args = p.parse_args()
     dest = Path(args.out)
     if args.render:
-        dest.with_suffix(".md").write_text(markdown(json.loads(dest.with_suffix(".json").read_text())))
+        kit.render_again(dest, markdown)
         return 0
     if args.quick:
         args.seconds, args.warmup, args.rounds, args.wrk_seconds, args.warmup_s = 0.5, 0.2, 2, 1, 0.3
@@ -224,16 +211,14 @@ def main() -> int:
     if wrk_missing:
         out["conditions"]["wrk"] = f"wrk unavailable ({wrk_missing})"
     if args.wait_quiet > 0:
-        out["conditions"]["quiet_wait"] = wait_quiet(args.wait_quiet)
-    out["conditions"]["busy_cores_before"] = round(busy_cores(1.0), 2)
+        out["conditions"]["quiet_wait"] = kit.wait_quiet(args.wait_quiet)
+    out["conditions"]["busy_cores_before"] = round(kit.busy_cores(1.0), 2)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="peers-") as d:
         measure(args, Path(d), out)
     out["conditions"].update(load_after=os.getloadavg(), duration_s=round(time.monotonic() - started))
     report = markdown(out)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.with_suffix(".json").write_text(json.dumps(out, indent=1))
-    dest.with_suffix(".md").write_text(report)
+    kit.write_result(dest, out, report)
     print(report)
     return 0
 

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import statistics
 
+from benchmarks import kit
+
 ROWS = ("direct", "shapegate", "shapegate-w2", "shapegate-source", "python-floor", "vllm-router", "sglang-router",
         "nginx")
 REF = "vllm-router"  # the peer the targets are set against
 
 
-def med_spread(values: list[float]) -> tuple[float, float | None]:
-    """Median and spread (max-min)/|median| in percent (None for one value or a zero median)."""
-    m = statistics.median(values)
-    return m, ((max(values) - min(values)) / abs(m) * 100 if m and len(values) > 1 else None)
-
-
 def fmt(values: list[float], unit: str = "") -> str:
+    """The median, and its spread unless there is one value or the median is zero."""
     if not values:
         return "-"
-    m, s = med_spread(values)
-    return f"{m:,.0f}{unit}" + (f" (±{s:.0f}%)" if s is not None else "")
+    m, s = kit.median_spread(values)
+    return f"{m:,.0f}{unit}" + (f" (±{s:.0%})" if m and len(values) > 1 else "")
 
 
 class Data:
@@ -49,9 +46,6 @@ class Data:
 
     def added(self, target: str, kind: str, key: str) -> list[float]:
         return list(self.added_by_round(target, kind, key).values())
-
-    def median(self, values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
 
 
 COLUMNS = ("target", "added p50 c=1, non-stream", "gateway CPU / request c=64", "req/s c=64", "p99 c=64",
@@ -101,7 +95,7 @@ def wrk_line(d: Data) -> str:
     for t in ROWS:
         runs = [w for w in d.r.get("wrk", []) if w["target"] == t and "rps" in w]
         if runs:
-            mine = d.median(d.values(t, "nonstream", 64, "rps"))
+            mine = kit.median_or_none(d.values(t, "nonstream", 64, "rps"))
             ratio = f", {statistics.median(w['rps'] for w in runs) / mine:.2f}x the client's" if mine else ""
             parts.append(f"{d.r['targets'][t]['label']} {fmt([w['rps'] for w in runs])}{ratio}")
     failed = [f"{w['target']}: {w['error']}" for w in d.r.get("wrk", []) if "error" in w]
@@ -123,14 +117,14 @@ def check(what: str, d: Data, mine: str, theirs: str | None, kind: str, key: str
     def series(t: str) -> dict[int, float]:
         return d.added_by_round(t, kind, key) if added else d.by_round(t, kind, conc, key)
 
-    a = d.median(list(series(mine).values()))
+    a = kit.median_or_none(list(series(mine).values()))
     if a is None:
         return f"- {what}: not judged, no figure for {d.r['targets'][mine]['label']}."
     if theirs is None:
         ok = a <= limit if at_most else a >= limit
         return f"- {what}: **{'met' if ok else 'not met'}**, {a:,.0f} against {limit:,.0f}."
     mine_r, theirs_r = series(mine), series(theirs)
-    b = d.median(list(theirs_r.values()))
+    b = kit.median_or_none(list(theirs_r.values()))
     if b is None or b <= 0:
         return f"- {what}: not judged, the {d.r['targets'][theirs]['label']}'s figure is {b} (not positive)."
     ratio = a / b

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,9 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import kit
+from benchmarks.kit import KEY, free_port
+
 CACHE = Path(os.environ.get("SHAPEGATE_CACHE", Path.home() / ".cache" / "shapegate")) / "peers"
-KEY = "sk-bench-key"
 READY_S = 60.0  # the routers wait for their workers' health checks before they serve
 PROBE = (b'{"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}')
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -40,12 +40,6 @@ class Target:
     version: str
     command: str
     log: Path | None = None  # its stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_line(text: str) -> str:
@@ -139,7 +133,7 @@ def _start(cmd: list[str], url: str, log: Path, cwd: Path | None, keep_stdout: b
             return proc
         time.sleep(0.1)
     code = proc.poll()
-    stop(proc)
+    kit.stop_all([proc])
     return code
 
 
@@ -152,7 +146,7 @@ def launch(cmd: list[str], url: str, log: Path, cwd: Path | None = None) -> subp
     kept = log.with_suffix(".stdout.log")
     second = _start(cmd, url, kept, cwd, keep_stdout=True)
     if isinstance(second, subprocess.Popen):  # up this time: measured as the others are, without a kept stdout
-        stop(second)
+        kit.stop_all([second])
         third = _start(cmd, url, log, cwd, keep_stdout=False)
         if isinstance(third, subprocess.Popen):
             return third
@@ -162,42 +156,21 @@ def launch(cmd: list[str], url: str, log: Path, cwd: Path | None = None) -> subp
                       else f"not routing after {READY_S:.0f} s: {reason}", "start")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def start_engines(n: int, tmp: Path) -> list[tuple[str, subprocess.Popen]]:
     """n zero-delay engines (benchmarks/fast_engine.py, 200-chunk streams)."""
     out = []
     for i in range(n):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port", str(port), "--chunks", "200"]
+        cmd = kit.script("fast_engine.py", "--port", str(port), "--chunks", "200")
         out.append((url, launch(cmd, url, tmp / f"engine-{i + 1}.log")))
     return out
-
-
-def shapegate_config(path: Path, engines: list[str]) -> Path:
-    """The configuration of benchmarks/overhead.py (one key, access log on, no warm-up request), two backends."""
-    from gateway.keys.auth import hash_key
-    backends = "".join(f'[[backends]]\nid = "engine-{i + 1}"\nengine = "openai"\nurl = "{u}"\nmodels = ["bench"]\n'
-                       for i, u in enumerate(engines))
-    path.write_text(f'[server]\naccess_log = true\n[[auth.keys]]\nid = "bench"\nsha256 = "{hash_key(KEY)}"\n'
-                    f"[health]\nwarmup = false\n{backends}")
-    return path
 
 
 def compiled_tree(tmp: Path) -> Path:
     """A copy of this tree with the request path compiled by deploy/compile.py (as the image runs it), made once."""
     tree = tmp / "compiled"
     if not tree.exists():
-        sys.path.insert(0, str(ROOT))
         from deploy.compile import compiled_copy
         try:
             compiled_copy(tree)
@@ -212,14 +185,15 @@ def start_shapegate(tmp: Path, engines: list[str], workers: int, compiled: bool 
     imports that tree's modules."""
     from gateway.cli.main import version
     port = free_port()
-    cfg = shapegate_config(tmp / "shapegate.toml", engines)
-    cmd = [sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(cfg), "--port", str(port)]
+    # The benchmarks' config (one key, access log on, no warm-up request), no [stats] section, two backends.
+    cfg = kit.gateway_config(tmp / "shapegate.toml", engines, stats=None)
+    cmd = kit.serve_argv(cfg, port)
     if workers > 1:
         cmd += ["--workers", str(workers)]
     url = f"http://127.0.0.1:{port}"
     tid = ("shapegate" if workers == 1 else f"shapegate-w{workers}") if compiled else "shapegate-source"
     log = tmp / f"{tid}.log"
-    proc = launch(cmd, url, log, cwd=compiled_tree(tmp) if compiled else ROOT)
+    proc = launch(cmd, url, log, cwd=compiled_tree(tmp) if compiled else kit.ROOT)
     label = "shapegate" if workers == 1 else f"shapegate --workers {workers}"
     where = "in a copy compiled by deploy/compile.py" if compiled else "from the uncompiled sources"
     return Target(tid, label if compiled else "shapegate, uncompiled", url, proc, version(),
@@ -253,12 +227,12 @@ def start_sglang_router(tmp: Path, engines: list[str]) -> Target:
 def start_parsing_proxy(tmp: Path, engines: list[str]) -> Target:
     """benchmarks/parsing_proxy.py: what a Python process spends when it reads what it routes, and no more."""
     port = free_port()
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "parsing_proxy.py"), "--port", str(port), "--key", KEY]
+    cmd = kit.script("parsing_proxy.py", "--port", str(port), "--key", KEY)
     for u in engines:
         cmd += ["--engine", u]
     url = f"http://127.0.0.1:{port}"
     log = tmp / "parsing-proxy.log"
-    return Target("python-floor", "Python floor", url, launch(cmd, url, log, cwd=ROOT),
+    return Target("python-floor", "Python floor", url, launch(cmd, url, log, cwd=kit.ROOT),
                   f"on Python {sys.version.split()[0]}",
                   "python3 benchmarks/parsing_proxy.py --engine E1 --engine E2 --key KEY", log)
 
@@ -314,11 +288,11 @@ def _tree(root: int) -> dict[int, list[str]]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            fields = kit.stat_fields(pid)
         except OSError:
             continue  # exited meanwhile
-        pid = int(entry.name)
         stats[pid] = fields
         children.setdefault(int(fields[1]), []).append(pid)
     out, todo = {}, [root]

@@ -5,7 +5,7 @@ uses (built and cached under ~/.cache/shapegate on first use, which takes minute
 `shapegate probe` does, and writes benchmarks/results/probe.md: the machine, the load before and after,
 the engines' versions, and each matrix with its reasons.
 
-Usage: python benchmarks/probe.py [--timeout S] [--no-real]
+Usage: python3 -m benchmarks.probe [--timeout S] [--no-real]
 """
 
 from __future__ import annotations
@@ -13,25 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import aiohttp
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
+from benchmarks import kit
+from gateway.config import GatewayConfig, parse_config
+from gateway.cli.probe import probe_all, render
+from gateway.runtime import build_policy
+from gateway.sim.runner import SimOptions, start_sim
+from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, start_llama_server, start_vllm_server
 
-from gateway.config import GatewayConfig, parse_config  # noqa: E402
-from gateway.fleet.probe import probe_all, render  # noqa: E402
-from gateway.runtime import build_policy  # noqa: E402
-from gateway.sim.runner import SimOptions, start_sim  # noqa: E402
-from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, start_llama_server, start_vllm_server  # noqa: E402
-
-RESULT = Path(__file__).parent / "results" / "probe.md"
+RESULT = kit.RESULTS / "probe.md"
 REQUIRE = ["chat", "stream"]
 
 
@@ -109,14 +105,6 @@ async def real_engines(timeout: float) -> list[str]:
                 await handle.close()
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 async def main_async(args: argparse.Namespace) -> str:
     load_before = os.getloadavg()
     sections = await simulators(args.timeout)
@@ -126,10 +114,9 @@ async def main_async(args: argparse.Namespace) -> str:
     load = "load average {:.2f} {:.2f} {:.2f}"
     head = [
         "# Support probe: what each engine serves", "",
-        f"Commit {commit()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
-        f"{os.cpu_count()} cores, Python {platform.python_version()}; {load.format(*load_before)} before, "
+        f"Commit {kit.commit()}, {kit.utc_date()}; {kit.host()}; {load.format(*load_before)} before, "
         f"{load.format(*load_after)} after.", "",
-        f"Command: `python3 {' '.join(sys.argv)}`. Required checks: {', '.join(REQUIRE)}.", "",
+        f"Command: `{kit.command('benchmarks.probe')}`. Required checks: {', '.join(REQUIRE)}.", "",
         "Cells: `yes`; `no` (the engine answered, and not with the feature); `error` (no answer, a timeout, a "
         "5xx, a reply that is not HTTP or JSON); the context column is the window verified (a prompt near its "
         "top served, one past it refused as too long). The real engines serve a tiny model with random "

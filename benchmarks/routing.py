@@ -10,7 +10,7 @@ prompts, multi-turn interactive sessions and long chats, as Poisson arrivals ove
 The load generator (this process) measures TTFT, ITL and e2e per request like GenAI-Perf. The same
 arrivals are then placed on the virtual clock by a clairvoyant reference (benchmarks/routing_bound.py).
 
-Usage: python -m benchmarks.routing [--quick] [--repeats 3] [--window 36] [--drain 52]
+Usage: python3 -m benchmarks.routing [--quick] [--repeats 3] [--window 36] [--drain 52]
 Writes benchmarks/results/routing.{md,json}.
 """
 
@@ -18,27 +18,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing
 import os
 import random
-import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import orjson
 import uvloop
 
-from benchmarks import routing_bound, routing_markdown, routing_report
+from benchmarks import kit, routing_bound, routing_markdown, routing_report
 from benchmarks import routing_conditions as C
 from benchmarks import routing_workload as W
+from benchmarks.stack import record_request, serve_gateway, serve_sims, stack_config, stop_children, wait_ready
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "shape")
 # id, engine, sim profile, marked for interactive sessions
 PORTFOLIO = (("vllm", "vllm", "r9700-vllm", False), ("sglang", "sglang", "r9700-sglang", False),
@@ -58,40 +54,7 @@ DRAIN_S = float(math.ceil(max(k.ttft_slo + (k.output_tokens - 1) * k.itl_slo for
 MAX_ATTEMPTS = 3  # a run rejected for late engine steps is run again at most twice
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the processes of one stack ------------------------------------------------------------------------
-def serve_sims(ports: list[int], engines: list[tuple[str, str]] | None = None) -> None:
-    """Simulated engines, (engine, profile) each (default: the portfolio), on `ports` until SIGTERM."""
-    uvloop.run(_sims(ports, engines or [(engine, profile) for _, engine, profile, _ in PORTFOLIO]))
-
-
-async def _sims(ports: list[int], engines: list[tuple[str, str]]) -> None:
-    from gateway.sim.runner import SimOptions, start_sim
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    servers = [await start_sim(SimOptions(engine=engine, profile=profile, model=W.MODEL, port=port,
-                                          report_cached_tokens=True))
-               for (engine, profile), port in zip(engines, ports)]
-    await stop.wait()
-    for s in servers:
-        await s.close()
-
-
-def serve_gateway(cfg: dict, port: int) -> None:
-    from gateway.cli.main import serve_until_signal
-    from gateway.config import parse_config
-    from gateway.runtime import build_policy
-
-    uvloop.run(serve_until_signal(parse_config(cfg, build_policy), "127.0.0.1", port))
-
-
 def context_windows() -> dict[str, int]:
     """Tokens one request may hold on each engine of the portfolio (llama.cpp: one slot's share of -c)."""
     from gateway.sim.options import SimOptions
@@ -107,10 +70,8 @@ def gateway_config(policy: str, sim_ports: list[int]) -> dict:
     backends = [{"id": bid, "engine": engine, "url": f"http://127.0.0.1:{port}", "models": [W.MODEL],
                  "interactive": interactive}
                 for (bid, engine, _, interactive), port in zip(PORTFOLIO, sim_ports)]
-    return {"auth": {"enabled": False}, "server": {"access_log": False, "shutdown_grace_s": 1.0},
-            "health": {"interval_s": 0.5, "load_interval_s": 0.5},
-            "upstream": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
-            "routing": {"policy": policy}, "backends": backends}
+    return stack_config(backends, auth={"enabled": False}, routing={"policy": policy},
+                        upstream={"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0})
 
 
 @dataclass
@@ -123,9 +84,10 @@ class Stack:
 
     @classmethod
     def start(cls, ctx, policy: str, load: str) -> "Stack":
-        sim_ports = [free_port() for _ in PORTFOLIO]
-        gw_port = free_port()
-        sims = ctx.Process(target=serve_sims, args=(sim_ports,), daemon=True)
+        sim_ports = [kit.free_port() for _ in PORTFOLIO]
+        gw_port = kit.free_port()
+        engines = [(engine, profile) for _, engine, profile, _ in PORTFOLIO]
+        sims = ctx.Process(target=serve_sims, args=(sim_ports, engines), daemon=True)
         gw = ctx.Process(target=serve_gateway, args=(gateway_config(policy, sim_ports), gw_port), daemon=True)
         sims.start()
         gw.start()
@@ -148,81 +110,10 @@ class Stack:
         return out
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-async def wait_ready(http: aiohttp.ClientSession, url: str, what: str, timeout: float = 60.0) -> None:
-    """Until the gateway at `url` is ready with every backend ready."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with http.get(url + "/readyz") as r:
-                data = await r.json()
-                if r.status == 200 and all(s == "ready" for s in data["backends"].values()):
-                    return
-        except (aiohttp.ClientError, ValueError, KeyError):
-            pass  # not up yet
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"{what} did not become ready")
+        stop_children(self.procs)
 
 
 # -- the load generator -------------------------------------------------------------------------------
-async def record_request(http: aiohttp.ClientSession, url: str, body: dict, headers: dict, rec: dict) -> str:
-    """stream_request, with the time of a request cut at the drain cap (censored) or failed kept in `rec` too."""
-    start = time.perf_counter()
-    try:
-        return await stream_request(http, url, body, headers, rec)
-    except asyncio.CancelledError:
-        rec.update(censored=True, e2e=time.perf_counter() - start)
-        raise
-    except (aiohttp.ClientError, ValueError) as e:
-        rec.update(error=repr(e), e2e=time.perf_counter() - start)
-        return ""
-
-
-async def stream_request(http: aiohttp.ClientSession, url: str, body: dict, headers: dict, rec: dict) -> str:
-    """Send one streamed chat request; fill `rec` with GenAI-Perf TTFT, ITL and e2e; return the text."""
-    text: list[str] = []
-    t0 = time.perf_counter()
-    first = last = None
-    events = 0
-    usage_tokens = 0
-    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body),
-                         headers={"Content-Type": "application/json", **headers}) as r:
-        rec["backend"] = r.headers.get("x-shapegate-backend", "")
-        rec["reason"] = r.headers.get("x-shapegate-reason", "")
-        rec["status"] = r.status
-        if r.status != 200:
-            await r.read()
-            return ""
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            obj = orjson.loads(line[6:])
-            if obj.get("usage"):
-                usage_tokens = obj["usage"].get("completion_tokens") or 0
-            for ch in obj.get("choices") or ():
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    last = now
-                    events += 1
-                    text.append(piece)
-    end = time.perf_counter()
-    n = usage_tokens or events
-    rec.update(ok=first is not None, e2e=end - t0, ttft=(first - t0) if first is not None else None,
-               itl=((last - first) / (n - 1)) if first is not None and n > 1 else None, tokens=n)
-    return "".join(text)
-
-
 async def drive(http: aiohttp.ClientSession, url: str, load: W.Load, window_s: float, drain_s: float,
                 seed: int) -> dict:
     """Warm-up requests, then the arrivals of one run; requests still running at the drain cap are cut.
@@ -278,7 +169,7 @@ async def one_run(ctx, policy: str, load: str, window_s: float, drain_s: float, 
         timeout = aiohttp.ClientTimeout(total=None, sock_read=drain_s + window_s)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
             await stack.wait_ready(http)
-            cpu = C.CpuMeter([p.pid for p in stack.procs])
+            cpu = kit.CpuMeter([p.pid for p in stack.procs])
             run = await drive(http, stack.url, LOADS[load], window_s, drain_s, seed)
             health = await stack.sim_health(http)
             cores = cpu.read()
@@ -292,7 +183,7 @@ def checked_run(ctx, policy: str, load: str, args, repeat: int) -> dict:
     tries = []
     for attempt in range(MAX_ATTEMPTS):
         # Before a re-run, wait longer for whatever slowed the engines to go away.
-        quiet = C.wait_quiet(args.quiet_wait * (1 if attempt == 0 else 3))
+        quiet = kit.wait_quiet(args.quiet_wait * (1 if attempt == 0 else 3))
         started = time.monotonic()
         run = uvloop.run(one_run(ctx, policy, load, args.window, args.drain, seed=100 + repeat))
         worst, rejected = C.late_verdict(run["sim_health"])
@@ -323,19 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-wait", type=float, default=120.0,
                     help="longest wait for a quiet machine before a run (three times that before a re-run)")
     ap.add_argument("--quick", action="store_true", help="one repeat, 15 s window, 30 s drain")
-    ap.add_argument("--output", default=str(RESULTS / "routing"), help="path prefix of the .md and .json")
+    ap.add_argument("--output", default=str(kit.RESULTS / "routing"), help="path prefix of the .md and .json")
     ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
     if args.from_json:
-        md = render(json.loads(Path(args.from_json).read_text()))
-        Path(args.from_json).with_suffix(".md").write_text(md)
-        print(md)
+        print(kit.render_again(Path(args.from_json), render))
         return 0
     if args.quick:
         args.repeats, args.window, args.drain = 1, 15.0, 30.0
     ctx = multiprocessing.get_context("spawn")
-    command = " ".join(["python -m benchmarks.routing", *(sys.argv[1:] if argv is None else argv)])
-    meta = {**C.machine(), "command": command,
+    meta = {**kit.provenance(), "command": kit.command("benchmarks.routing", argv),
             "windows": context_windows(), "repeats": args.repeats, "window_s": args.window, "drain_s": args.drain,
             "loads": {k: vars(LOADS[k]) for k in args.loads}, "portfolio": PORTFOLIO,
             "kinds": {k.name: vars(k) for k in W.KINDS}, "late_limit": C.LATE_LIMIT, "min_steps": C.MIN_STEPS,
@@ -356,11 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                                           meta["windows"])
     meta["elapsed_s"] = round(time.time() - t_start, 1)
     data = {"meta": meta, "references": references, "runs": runs}
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
     md = render(data)
-    out.with_suffix(".md").write_text(md)
+    kit.write_result(Path(args.output), data, md)
     print(md)
     return 0
 

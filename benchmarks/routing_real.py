@@ -8,23 +8,19 @@
 # for every run, so no run finds its prompts in a cache an earlier run filled (vLLM's prefix cache outlives a
 # gateway). Between runs both engines must report nothing running or waiting.
 #
-# Usage: python -m benchmarks.routing_real [--quick] [--repeats 3] [--window 60] [--drain 30] [--load 0.6]
-#                                          [--slo-factor 3] [--ttft-floor-ms 50]
-#        python -m benchmarks.routing_real --from-json benchmarks/results/routing_real.json   (re-render the .md)
+# Usage: python3 -m benchmarks.routing_real [--quick] [--repeats 3] [--window 60] [--drain 30] [--load 0.6]
+#                                           [--slo-factor 3] [--ttft-floor-ms 50]
+#        python3 -m benchmarks.routing_real --from-json benchmarks/results/routing_real.json   (re-render the .md)
 # Writes benchmarks/results/routing_real.{md,json}.
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,17 +28,15 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the e2e engine fixtures live under tests/
+from benchmarks import kit
+from benchmarks import routing_real_report as report
+from benchmarks.routing_workload import words
+from benchmarks.stack import record_request, serve_gateway, stack_config, stop_children, stream_request, wait_ready
+from tests.e2e import wire  # the e2e suite's real engines, built and cached by its fixtures
+from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server
+from tests.e2e.quirks import QUIRKS
+from tests.e2e.targets import PUBLIC_MODEL
 
-from benchmarks import routing_real_report as report  # noqa: E402
-from benchmarks.routing import free_port, record_request, serve_gateway, stream_request, wait_ready  # noqa: E402
-from benchmarks.routing_workload import words  # noqa: E402
-from tests.e2e import wire  # noqa: E402
-from tests.e2e.engines import EngineHandle, start_llama_server, start_vllm_server  # noqa: E402
-from tests.e2e.quirks import QUIRKS  # noqa: E402
-from tests.e2e.targets import PUBLIC_MODEL  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PLACEMENTS = ("round_robin", "least_loaded", "prefix_affinity", "shape", "pinned")
 # One thread: vLLM binds its worker to core 0 and leaves core 1 to everything else. With two threads one llama
 # thread always shares vLLM's core, and llama's per-token barrier between its threads then stalls behind vLLM's
@@ -171,11 +165,10 @@ def gateway_config(placement: str, engines: list[EngineHandle]) -> dict:
             b["classes"] = classes[h.engine]
         backends.append(b)
     # Long probe timeouts: on two cores a streaming vLLM can leave /health unanswered for seconds.
-    return {"auth": {"enabled": False}, "server": {"access_log": False, "shutdown_grace_s": 1.0},
-            "health": {"interval_s": 0.5, "timeout_s": 30.0, "load_interval_s": 0.5, "load_stale_s": 10.0},
-            "upstream": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 120.0},
-            "shape": {"long_prompt_tokens": LONG_PROMPT_TOKENS},
-            "routing": {"policy": "round_robin" if placement == "pinned" else placement}, "backends": backends}
+    return stack_config(backends, auth={"enabled": False}, health={"timeout_s": 30.0, "load_stale_s": 10.0},
+                        upstream={"first_byte_timeout_s": 120.0, "idle_timeout_s": 120.0},
+                        shape={"long_prompt_tokens": LONG_PROMPT_TOKENS},
+                        routing={"policy": "round_robin" if placement == "pinned" else placement})
 
 
 def arrivals(rates: dict[str, float], window_s: float, seed: int) -> list[tuple[float, str]]:
@@ -253,7 +246,7 @@ async def run_placement(ctx, http: aiohttp.ClientSession, direct: aiohttp.Client
                         args: argparse.Namespace) -> dict:
     idle_s = await wait_idle(direct, engines)
     await asyncio.sleep(args.pause)
-    port = free_port()
+    port = kit.free_port()
     gw = ctx.Process(target=serve_gateway, args=(gateway_config(placement, engines), port), daemon=True)
     gw.start()
     try:
@@ -263,12 +256,7 @@ async def run_placement(ctx, http: aiohttp.ClientSession, direct: aiohttp.Client
         run = await drive(http, url, rates, args.window, args.drain, seed=100 + repeat,
                           text_seed=f"r{repeat}-{placement}")
     finally:
-        if gw.is_alive():
-            os.kill(gw.pid, signal.SIGTERM)
-        await asyncio.to_thread(gw.join, 10)
-        if gw.is_alive():
-            gw.kill()
-            await asyncio.to_thread(gw.join)
+        await asyncio.to_thread(stop_children, [gw])
     return {"placement": placement, "repeat": repeat, "idle_wait_s": idle_s, "load1_at_start": load, **run}
 
 
@@ -330,11 +318,6 @@ async def bench(args: argparse.Namespace, meta: dict) -> list[dict]:
     return runs
 
 
-def git(*argv: str) -> str:
-    done = subprocess.run(["git", *argv], check=False, cwd=Path(__file__).parent, capture_output=True, text=True)
-    return done.stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -347,22 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-floor-ms", type=float, default=50.0,
                     help="no TTFT SLO below this: tighter ones measure the shared machine's scheduling noise")
     ap.add_argument("--quick", action="store_true", help="one repeat, 20 s window, 20 s drain")
-    ap.add_argument("--output", default=str(RESULTS / "routing_real"), help="path prefix of the .md and .json")
+    ap.add_argument("--output", default=str(kit.RESULTS / "routing_real"), help="path prefix of the .md and .json")
     ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        md = report.markdown(data["meta"], report.summarize(data["runs"], data["meta"]))
-        Path(args.from_json).with_suffix(".md").write_text(md)
-        print(md)
+        print(kit.render_again(Path(args.from_json),
+                               lambda data: report.markdown(data["meta"], report.summarize(data["runs"], data["meta"]))))
         return 0
     if args.quick:
         args.repeats, args.window, args.drain = 1, 20.0, 20.0
     meta = {"started": time.time(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-            "load_before": os.getloadavg(), "command": " ".join(["python -m benchmarks.routing_real",
-                                                                  *(sys.argv[1:] if argv is None else argv)]),
+            "commit": kit.commit(), "dirty": bool(kit.changed_paths()), "machine": kit.host(),
+            "load_before": os.getloadavg(), "command": kit.command("benchmarks.routing_real", argv),
             "repeats": args.repeats, "window_s": args.window, "drain_s": args.drain, "pause_s": args.pause,
             "placements": PLACEMENTS, "kinds": [asdict(k) for k in KINDS], "llama": LLAMA, "vllm": VLLM,
             "workload": {"session_users": SESSION_USERS, "session_turns": SESSION_TURNS,
@@ -373,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_after"] = os.getloadavg()
     meta["elapsed_s"] = round(time.time() - meta["started"], 1)
     summary = report.summarize(runs, meta)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     md = report.markdown(meta, summary)
-    out.with_suffix(".md").write_text(md)
+    kit.write_result(Path(args.output), {"meta": meta, "summary": summary, "runs": runs}, md)
     print(md)
     return 0
 

@@ -6,6 +6,7 @@ import math
 import statistics
 from collections import Counter
 
+from benchmarks import kit
 from benchmarks import routing_workload as W
 
 KIND_BY_NAME = {k.name: k for k in W.KINDS}
@@ -33,8 +34,8 @@ def agg(values: list) -> dict | None:
     v = [x for x in values if x is not None]
     if not v:
         return None
-    med = statistics.median(v)
-    return {"median": med, "spread": (max(v) - min(v)) / med if med else 0.0, "values": v}
+    med, spread = kit.median_spread(v)
+    return {"median": med, "spread": spread, "values": v}
 
 
 def run_overall(run: dict) -> dict:

@@ -8,7 +8,7 @@ client measures with what the latency model says for the same workload:
   engine     the engine's own ITL histogram (modelled step ends as the real-time loop hit them)
   delivered  per request (last content event - first) / (events - 1), measured by the client
 
-Usage: python benchmarks/sim_drift.py [--concurrency 1 16 32 64] [--repeats 3] [--output-tokens 300]
+Usage: python3 -m benchmarks.sim_drift [--concurrency 1 16 32 64] [--repeats 3] [--output-tokens 300]
 Writes benchmarks/results/sim_drift.{json,md}.
 """
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,10 +25,10 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
+from benchmarks import kit
 from gateway.sim.profiles import get_profile
 from gateway.sim.virtual import Workload, run_closed_loop
 
-RESULTS = Path(__file__).parent / "results"
 FILLER = ("The gateway measures every stream it relays and routes the next request to the "
           "engine that serves its shape best. ")
 
@@ -94,11 +92,6 @@ async def run_level(http: aiohttp.ClientSession, url: str, streams: int, out: in
     }
 
 
-def spread(values: list[float]) -> float:
-    med = statistics.median(values)
-    return (max(values) - min(values)) / med if med else 0.0
-
-
 def summarize(level: int, runs: list[dict], modelled_itl: float, modelled_ttft: float) -> dict:
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
@@ -109,7 +102,7 @@ def summarize(level: int, runs: list[dict], modelled_itl: float, modelled_ttft: 
         "modelled_itl_ms": modelled_itl * 1000, "modelled_ttft_ms": modelled_ttft * 1000,
         "engine_itl_ms": med("engine_itl_s") * 1000,
         "delivered_itl_ms": med("delivered_itl_s") * 1000,
-        "delivered_itl_spread": spread(delivered),
+        "delivered_itl_spread": kit.median_spread(delivered)[1],
         "drift_pct": (med("delivered_itl_s") / modelled_itl - 1) * 100,
         "drift_pct_min": (min(delivered) / modelled_itl - 1) * 100,
         "drift_pct_max": (max(delivered) / modelled_itl - 1) * 100,
@@ -143,8 +136,7 @@ async def bench(args: argparse.Namespace) -> dict:
         proc.terminate()
         await proc.wait()
     return {"engine": args.engine, "profile": args.profile, "output_tokens": args.output_tokens,
-            "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}", "levels": levels}
+            "repeats": args.repeats, "machine": kit.host(), "levels": levels}
 
 
 def _line(row: dict) -> str:
@@ -196,7 +188,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=RESULTS / "sim_drift")
+    parser.add_argument("--out", type=Path, default=kit.RESULTS / "sim_drift")
     args = parser.parse_args()
     data = uvloop.run(bench(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,16 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_tail import loop_figures, run_line, save_and_render  # noqa: E402
-from overhead import KEY, LAUNCH, cpu_seconds, free_port, wait_http, write_gateway_config  # noqa: E402
-from routing_conditions import machine  # noqa: E402
+from benchmarks import kit
+from deploy.compile import compiled_copy
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from deploy.compile import compiled_copy  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
 FILES = 65_536  # two sockets per stream in the gateway; raised as far as the process may (root, CAP_SYS_RESOURCE)
 SPARE_FILES = 200  # the gateway's own: listening socket, log, probes, scrapes of /metrics, Redis
 
@@ -95,13 +88,13 @@ def measure(args) -> dict:
     """`args.rounds` rounds of each build, each round with its own engine, gateway and client; the builds take
     turns within a round, in the other order in the next."""
     room = stream_room()
-    cond = {**machine(), "command": "python3 benchmarks/streams_10k.py " + " ".join(sys.argv[1:]),
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.streams_10k"),
             "asked": args.streams, "room": room, "streams": min(args.streams, room), "rate": args.rate,
             "hold_s": args.hold, "interval_s": 1.0, "rounds": args.rounds, "builds": list(args.builds)}
     args.streams = cond["streams"]
     rounds = []
     with tempfile.TemporaryDirectory() as d:
-        trees = {"sources": ROOT}
+        trees = {"sources": kit.ROOT}
         if "compiled" in args.builds:
             trees["compiled"] = Path(d) / "compiled"
             cond["compile_s"] = round(compiled_copy(trees["compiled"]))
@@ -121,41 +114,34 @@ def one_round(args, src: Path) -> dict:
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        eport, gport = free_port(), free_port()
         try:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "slow_engine.py"), "--port",
-                                           str(eport), "--tokens", str(tokens)], preexec_fn=more_files))
-            wait_http(f"http://127.0.0.1:{eport}/health")
+            engine = kit.start_engine(procs, "--tokens", str(tokens), name="slow_engine.py", preexec_fn=more_files)
             server, upstream = room_settings(args.streams)
-            cfg = write_gateway_config(tmp / "gw.toml", f"http://127.0.0.1:{eport}", server=server,
-                                       sections=upstream)
-            gw = subprocess.Popen([sys.executable, "-c", LAUNCH, "serve", "--config", str(cfg), "--port", str(gport)],
-                                  cwd=src, env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
-                                  stderr=tmp.joinpath("gw.log").open("wb"), preexec_fn=more_files)
-            procs.append(gw)
-            base = f"http://127.0.0.1:{gport}"
-            wait_http(base + "/readyz")
+            cfg = kit.gateway_config(tmp / "gw.toml", engine, server=server, sections=upstream)
+            with tmp.joinpath("gw.log").open("wb") as log:
+                base, gw = kit.start_gateway(cfg, procs, tree=src, stdout=subprocess.DEVNULL, stderr=log,
+                                             preexec_fn=more_files)
             time.sleep(1.0)
             out["rss_idle_mb"] = rss_mb(gw.pid)
-            f_idle = loop_figures(base)
-            client = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "streams_client.py"), "--port",
-                                       str(gport), "--streams", str(args.streams), "--rate", str(args.rate),
-                                       "--key", KEY], stdout=subprocess.PIPE, text=True, preexec_fn=more_files)
+            f_idle = kit.loop_figures(base)
+            client = subprocess.Popen(kit.script("streams_client.py", "--port", base.rsplit(":", 1)[1], "--streams",
+                                                 str(args.streams), "--rate", str(args.rate), "--key", kit.KEY),
+                                      stdout=subprocess.PIPE, text=True, preexec_fn=more_files)
             procs.append(client)
             assert client.stdout is not None
             opened = json.loads(client.stdout.readline() or "{}")
             out["all_open"] = opened
             time.sleep(2.0)  # the last streams' heads and first tokens
             others = {"engine": procs[0].pid, "client": client.pid}
-            o0 = {k: cpu_seconds(pid) for k, pid in others.items()}
-            f0, c0, s0, t0 = loop_figures(base), cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
+            o0 = {k: kit.cpu_seconds(pid) for k, pid in others.items()}
+            f0, c0, s0, t0 = kit.loop_figures(base), kit.cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
             peak = rss_mb(gw.pid)
             window = max(args.hold - 4.0, 2.0)
             while time.monotonic() - t0 < window:
                 time.sleep(1.0)
                 peak = max(peak, rss_mb(gw.pid))
-            f1, c1, s1, t1 = loop_figures(base), cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
-            o1 = {k: cpu_seconds(pid) for k, pid in others.items()}
+            f1, c1, s1, t1 = kit.loop_figures(base), kit.cpu_seconds(gw.pid), schedstat(gw.pid), time.monotonic()
+            o1 = {k: kit.cpu_seconds(pid) for k, pid in others.items()}
             lag = {k: v - f0.get(k, 0.0) for k, v in f1.items()}
             out.update(rss_held_mb=peak, window_s=t1 - t0, cpu_share=(c1 - c0) / (t1 - t0),
                        others_cpu_share={k: (o1[k] - o0[k]) / (t1 - t0) for k in others},
@@ -168,11 +154,7 @@ def one_round(args, src: Path) -> dict:
             out["client"] = json.loads(rest.strip().splitlines()[-1])
             out["rss_after_mb"] = rss_mb(gw.pid)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                p.wait(timeout=15)
+            kit.stop_all(procs, timeout=15)
     return out
 
 
@@ -249,7 +231,7 @@ def markdown(data: dict) -> str:
              "the gateway runs " + ("from the plain sources" if builds == ["sources"] else "the compiled copy"))
     return "\n".join([
         "# 10,000 concurrent streams in one gateway process", "",
-        run_line(c) + ".", "",
+        kit.run_line(c) + ".", "",
         f"One gateway process (default config but for connection limits raised to fit {c['streams']:,} streams, "
         "access log on to /dev/null, API-key auth) in front of `benchmarks/slow_engine.py`, which sends one token "
         f"per stream every {c['interval_s']:g} s ({first['tokens_per_stream']} tokens each); "
@@ -273,7 +255,7 @@ def main() -> None:
     ap.add_argument("--builds", nargs="+", choices=BUILDS, default=list(BUILDS))
     ap.add_argument("--render", action="store_true")
     a = ap.parse_args()
-    save_and_render("streams_10k", None if a.render else measure(a), markdown)
+    kit.save_and_render("streams_10k", None if a.render else measure(a), markdown)
 
 if __name__ == "__main__":
     main()

@@ -16,21 +16,38 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The modules a request runs through, typed throughout (pyproject.toml's [tool.mypy] files hold each of them).
-# Left out: modules with async generators (mypyc has none) or pydantic models (mypyc's C for them does not build:
-# a policy keeps its Params in a module of its own, as policies/shape_params.py), the engine adapters (compiled
-# classes cannot be subclassed from plain Python), and what runs off the request path.
+# The modules a request runs through, by dotted name: a package stands for every module in it (its __init__ aside),
+# so that a module added to a compiled package is compiled with it. Each is typed throughout (pyproject.toml's
+# [tool.mypy] files hold them). Left out: modules with async generators (mypyc has none) or pydantic models (mypyc's
+# C for them does not build: a policy keeps its Params in a module of its own, as policies/shape_params.py), the
+# engine adapters (compiled classes cannot be subclassed from plain Python), and what runs off the request path.
 COMPILED = (
-    "gateway/pipeline.py", "gateway/http/connection.py", "gateway/http/exchange.py", "gateway/routing/relay.py",
-    "gateway/routing/shape.py", "gateway/runtime.py", "gateway/routing/context.py", "gateway/routing/admission.py",
-    "gateway/routing/failover.py", "gateway/routing/request.py", "gateway/stats/rolling.py", "gateway/fleet/pool.py", "gateway/keys/auth.py",
-    "gateway/http/request_head.py", "gateway/http/headers.py", "gateway/errors.py", "gateway/http/front.py", "gateway/observe/metrics.py",
-    "gateway/contracts.py", "gateway/fleet/health.py", "gateway/limits/limiter.py", "gateway/routing/affinity.py", "gateway/experiments/experiment.py",
-    "gateway/hot_settings.py", "gateway/observe/lean_metrics.py",
-    "backends/http1.py", "backends/http1_response.py", "backends/slots.py", "policies/shape.py",
+    "gateway.contracts", "gateway.errors", "gateway.hot_settings", "gateway.runtime", "gateway.pipeline",
+    "gateway.http", "gateway.routing",
+    "gateway.fleet.pool", "gateway.fleet.health", "gateway.stats.rolling", "gateway.keys.auth",
+    "gateway.keys.principal", "gateway.limits.limiter", "gateway.limits.buckets", "gateway.experiments.experiment",
+    "gateway.observe.metrics", "gateway.observe.lean_metrics", "gateway.observe.access_log",
+    "backends.http1", "backends.http1_response", "backends.slots", "policies.shape",
 )
 PACKAGES = ("gateway", "backends", "policies")
 SKIP = shutil.ignore_patterns(".git", "__pycache__", "build", "*.so", "*.egg-info", ".pytest_cache")
+
+
+def compiled_modules(tree: Path = ROOT) -> list[str]:
+    """COMPILED with each package spelled out: the dotted name of every module to compile, as found in `tree`."""
+    found = []
+    for name in COMPILED:
+        path = tree / name.replace(".", "/")
+        if path.is_dir():
+            found += [f"{name}.{f.stem}" for f in sorted(path.glob("*.py")) if f.name != "__init__.py"]
+        elif path.with_suffix(".py").exists():
+            found.append(name)
+    return found
+
+
+def source_of(module: str) -> str:
+    """A module's file, relative to the tree's top."""
+    return module.replace(".", "/") + ".py"
 
 
 def compiled_files(tree: Path) -> list[Path]:
@@ -48,11 +65,12 @@ def compile_tree(tree: Path) -> float:
     """Compile COMPILED in place in `tree` (its sources as they are now); the seconds it took."""
     clean(tree)
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "mypyc", *COMPILED], cwd=tree, capture_output=True, text=True)
+    sources = [source_of(m) for m in compiled_modules(tree)]
+    done = subprocess.run([sys.executable, "-m", "mypyc", *sources], cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"mypyc failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     shutil.rmtree(tree / "build", ignore_errors=True)  # C sources and objects: only the .so files are used
-    missing = [m for m in COMPILED if not list((tree / m).parent.glob(Path(m).stem + ".cpython-*.so"))]
+    missing = [m for m in sources if not list((tree / m).parent.glob(Path(m).stem + ".cpython-*.so"))]
     if missing:
         raise SystemExit(f"mypyc left no compiled module for {', '.join(missing)}")
     return time.monotonic() - t0
@@ -82,7 +100,7 @@ def main() -> int:
         tree, seconds = ROOT, compile_tree(ROOT)
     else:
         tree, seconds = args.copy, compiled_copy(args.copy)
-    print(f"compiled {len(COMPILED)} modules in {tree} in {seconds:.0f} s", flush=True)
+    print(f"compiled {len(compiled_modules(tree))} modules in {tree} in {seconds:.0f} s", flush=True)
     return 0
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import socket
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -22,12 +23,16 @@ from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, l
 from gateway.experiments.share import ExperimentShare
 from gateway.experiments.share import share_loop as experiment_share_loop
 from gateway.fleet.health import load_loop, probe_loop
-from gateway.ops.admin_keys import create_key, list_keys, revoke_key
+from gateway.http.front import Front, start_serving
+from gateway.http.inner import PEER_HEADER
+from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
 from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
-from gateway.routing.request import GATEWAY
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
-from gateway.runtime import Gateway, stats_report
+from gateway.ops.workers import GROUP_SECRET_ENV
+from gateway.pipeline import serve_api
+from gateway.routing.request import Exchange
+from gateway.runtime import GATEWAY, Gateway, stats_report
 from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.stats.merge import fold_counters, replicas_report, take_summary
 from gateway.stats.share import share_loop
@@ -102,10 +107,17 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def signed_in(request: web.Request) -> bool:
+    """The request carries a dashboard sign-in cookie of a key that is a live admin key right now."""
+    g: Gateway = request.app[GATEWAY]
+    binding = functools.partial(admin_binding, g)
+    return session_principal(request, request.app[DASHBOARD_SECRET], binding=binding) is not None
+
+
 async def stats(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
     # An admin key, or the dashboard's signed sign-in cookie.
-    if session_principal(request, request.app[DASHBOARD_SECRET]) is None:
+    if not signed_in(request):
         g.auth.require_admin(request.headers)
     scope = request.query.get("scope", "group")
     if scope not in ("group", "replicas"):
@@ -117,7 +129,7 @@ async def stats(request: web.Request) -> web.Response:
 
 async def experiments(request: web.Request) -> web.Response:
     """GET /admin/experiments: an admin key or the dashboard's sign-in cookie, as for /stats."""
-    if session_principal(request, request.app[DASHBOARD_SECRET]) is None:
+    if not signed_in(request):
         request.app[GATEWAY].auth.require_admin(request.headers)
     return await list_experiments(request)
 
@@ -126,8 +138,9 @@ DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
 
 
 def dashboard_secret(cfg: GatewayConfig) -> bytes:
-    """The cookie-signing secret: from the environment (replicas share it), else random per process."""
-    env = cfg.dashboard.session_secret_env
+    """The cookie-signing secret: from the configured environment variable (replicas share it), else the one
+    `serve --workers N` made for its workers (gateway/ops/workers.py), else random for this process alone."""
+    env = cfg.dashboard.session_secret_env or (GROUP_SECRET_ENV if GROUP_SECRET_ENV in os.environ else None)
     value = os.environ.get(env, "") if env else ""
     if env and len(value) < 16:
         raise ValueError(f"environment variable {env} must hold a dashboard secret of at least 16 characters")
@@ -211,6 +224,10 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     # Latency learning and breaker openings go to the other replicas and theirs come in (first pulled here).
     replicas = await ReplicaSync.start(g) if g.sharing.redis is not None else None
     await g.keys.start()  # run-time keys loaded before the first request, then kept in step with the store
+    clash = sorted({k.id for k in g.cfg.auth.keys} & g.keys.records.keys())
+    if clash:  # made by a replica configured otherwise: a reload here would be refused (gateway/ops/reload.py)
+        log.warning("run-time keys %s have ids that [[auth.keys]] also holds; revoke them (DELETE /admin/keys/<id>) "
+                    "or rename the configured keys", ", ".join(clash))
     yield
     await g.keys.stop()
     for t in list(g.shadow_tasks):
@@ -275,10 +292,13 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app[DASHBOARD_SECRET] = dashboard_secret(cfg)
     if cfg.dashboard.enabled:
         gw = app[GATEWAY]
-        setup_dashboard(app, admin_for_key=gw.auth.admin_for_key, session_secret=app[DASHBOARD_SECRET],
+        # admin_for_key through gw.auth as it is at each sign-in: a reload replaces the Authenticator.
+        setup_dashboard(app, admin_for_key=lambda key: gw.auth.admin_for_key(key),
+                        session_secret=app[DASHBOARD_SECRET],
                         stats_provider=lambda: stats_report(gw), secure_cookie=cfg.dashboard.secure_cookie,
                         session_ttl_s=cfg.dashboard.session_ttl_s,
-                        wrap=lambda h: guarded(h, key=False))  # its own sign-in: cookie or admin key
+                        wrap=lambda h: guarded(h, key=False),  # its own sign-in: cookie or admin key
+                        session_binding=functools.partial(admin_binding, gw), peer_header=PEER_HEADER)
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))
@@ -292,3 +312,14 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app.cleanup_ctx.append(loop_health)
     app.cleanup_ctx.append(shared_limits)
     return app
+
+
+async def serve(app: web.Application, host: str, port: int, *, reuse_port: bool = False,
+                shutdown_timeout: float = 60.0) -> Front:
+    """Serve a built app on host:port: the front is handed the pipeline for API requests, and the gateway for
+    its settings, request ids and refusal count. `await front.close(timeout)` stops it."""
+    g = app[GATEWAY]
+    # Typed as the pipeline takes it, so that mypy checks here that the front's exchange is an Exchange.
+    api: Callable[[Exchange, str], Awaitable[object]] = functools.partial(serve_api, g)
+    return await start_serving(app, host, port, owner=g, api=api, reuse_port=reuse_port,
+                               shutdown_timeout=shutdown_timeout)

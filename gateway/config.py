@@ -41,15 +41,32 @@ class ServerConfig(Strict):
     gc_freeze: bool = True
 
 
+# Beyond any engine fleet (a billion requests, a trillion tokens a minute); larger numbers would only overflow
+# what stores, lists and counts them (GET /admin/keys could not even show a key with 2**64).
+MAX_RPM = 10**9
+MAX_TPM = 10**12
+# Per-model limits one key (or [limits]) may have: each is a bucket pair the limiter keeps per key and model.
+MAX_MODEL_LIMITS = 256
+MAX_MODEL_NAME = 256
+
+
 class RateLimit(Strict):
-    """Requests and tokens per minute; None: no limit of that kind."""
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
+    """Requests and tokens per minute, at most MAX_RPM and MAX_TPM; None: no limit of that kind."""
+    rpm: int | None = Field(None, ge=1, le=MAX_RPM)
+    tpm: int | None = Field(None, ge=1, le=MAX_TPM)
 
 
 class KeyLimits(RateLimit):
     # Per public model, on top of the key's own limits (a request needs room in both).
-    models: dict[str, RateLimit] = {}
+    models: dict[str, RateLimit] = Field(default_factory=dict, max_length=MAX_MODEL_LIMITS)
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, v: dict[str, RateLimit]) -> dict[str, RateLimit]:
+        for name in v:
+            if not 1 <= len(name) <= MAX_MODEL_NAME:
+                raise ValueError(f"model names are 1 to {MAX_MODEL_NAME} characters")
+        return v
 
 
 class ApiKey(Strict):
@@ -179,6 +196,10 @@ class LimitsConfig(KeyLimits):
 
     # With Redis state: the longest a request waits for the shared buckets before this process decides alone.
     redis_timeout_s: float = Field(0.05, gt=0, le=5)
+    # With Redis state: how many gateway processes (replicas x workers) share the limits. While Redis is
+    # unusable each process enforces limit / the larger of this and the count it last saw in Redis, so one
+    # that starts while Redis is down does not count itself alone.
+    processes: int = Field(1, ge=1, le=100_000)
 
 
 class StateConfig(Strict):

@@ -9,10 +9,23 @@ from pydantic import Field, field_validator, model_validator
 from gateway.config_base import Strict
 
 
+# An arm's weight: its share is weight / the arms' total. Weights are relative, so a bound costs nothing (a
+# 0.0001 % canary is 1 against 1e6) and keeps the total finite: weights summing past a float's range would
+# make every share 0.
+MAX_WEIGHT = 1e6
+
+
+def weight_problem(name: str, w: object) -> str | None:
+    """Why `w` cannot be the weight of arm `name` (None: it can): a number, 0 to MAX_WEIGHT."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WEIGHT:
+        return f"the weight of {name!r} must be a number from 0 to {MAX_WEIGHT:g}"
+    return None
+
+
 class ArmConfig(Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     backends: tuple[str, ...] = Field(min_length=1)
-    weight: float = Field(1.0, ge=0)
+    weight: float = Field(1.0, ge=0, le=MAX_WEIGHT)
 
 
 class ExperimentConfig(Strict):
@@ -28,6 +41,14 @@ class ExperimentConfig(Strict):
     arms: tuple[ArmConfig, ...] = Field(min_length=1)
     fraction: float = Field(1.0, ge=0, le=1)
     shadow_max_in_flight: int = Field(4, ge=1)  # copies in flight per shadow arm; more are skipped
+    # The smallest difference that matters (0.05: 5 %): a verdict calls a smaller one no difference however
+    # certain it is. Two engine processes set up alike differ by a few % with nothing changed, which the noise
+    # measured inside one arm cannot see.
+    practical_margin: float = Field(0.05, ge=0, lt=1)
+    # A split arm whose engine error rate over its recent requests exceeds another serving arm's by this much
+    # (0.05: 5 points, and beyond chance) is stopped, once both have error_guard_min_requests; 1 turns it off.
+    error_guard_margin: float = Field(0.05, gt=0, le=1)
+    error_guard_min_requests: int = Field(50, ge=10)
     enabled: bool = True
 
     @field_validator("subject")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Final, Mapping
 
 import orjson
@@ -119,12 +120,35 @@ def upstream_timeout(detail: str) -> GatewayError:
     return GatewayError(504, f"The upstream engine timed out: {detail}.", code="upstream_timeout")
 
 
-_CONTEXT_MARKERS: Final = (
-    "maximum context length",
-    "exceeds the available context size",
-    "longer than the model's context length",
-    "exceed_context_size",
+class ContextRefusal:
+    """How one engine words its refusal of a prompt too long for the context window."""
+
+    __slots__ = ("engine", "marker", "size", "exact")
+
+    def __init__(self, engine: str, marker: str, size: str | None = None, exact: bool = True) -> None:
+        self.engine = engine
+        self.marker = marker  # a phrase of that refusal's message or type, and of no other error
+        self.size = re.compile(size) if size is not None else None  # group 1: the prompt's size in tokens
+        self.exact = exact  # whether that size is exact (vLLM 0.32 stops counting past the limit: a lower bound)
+
+
+# The one list of the engines' wordings: normalize_engine_error knows a context error by its marker,
+# gateway.routing.context reads the prompt's size from it, and the support probe (gateway.fleet.probe_checks)
+# tells a refusal as too long from any other by it (TOO_LONG_HINT). First match wins for the size.
+CONTEXT_REFUSALS: Final = (
+    ContextRefusal("vLLM before 0.32", "maximum context length", r"has (\d+) input tokens"),
+    ContextRefusal("vLLM 0.32", "maximum context length", r"contains at least (\d+) input", exact=False),
+    ContextRefusal("SGLang", "longer than the model's context length", r"The input \((\d+) tokens\)"),
+    ContextRefusal("SGLang, prompt and output", "maximum context length", r"(\d+) tokens from the input"),
+    ContextRefusal("OpenAI", "maximum context length", r"resulted in (\d+) tokens"),
+    ContextRefusal("llama.cpp", "exceeds the available context size"),  # its size: the n_prompt_tokens field
+    ContextRefusal("llama.cpp, the error's type", "exceed_context_size"),
 )
+_CONTEXT_MARKERS: Final = tuple(dict.fromkeys(r.marker for r in CONTEXT_REFUSALS))
+# Looser, for the support probe: it judges any OpenAI-compatible server, from the first 120 characters of its
+# refusal, so besides every marker above it takes the words other engines use (and it ignores case).
+TOO_LONG_HINT: Final = re.compile("|".join([*map(re.escape, _CONTEXT_MARKERS), "context", "too long",
+                                            "too many tokens", "max_model_len", "maximum.{0,24}length"]), re.I)
 
 
 def _string_code(status: int, err: Mapping[str, Any]) -> str | None:

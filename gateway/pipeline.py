@@ -13,14 +13,14 @@ from gateway.experiments import experiment as experiments
 from gateway.experiments import shadow
 from gateway.routing.admission import admit
 from gateway.routing.context import fitting
-from gateway.contracts import (CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, PATHS, BackendView, Decision, Outcome,
-                               ReplyTooLarge, RequestShape, RouteInput, UpstreamCall, UpstreamReply)
-from gateway.errors import (GatewayError, bad_request, error_from_event, model_not_found, no_backend, normalize_engine_error,
+from gateway.contracts import (PATHS, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
+                               UpstreamReply)
+from gateway.errors import (GatewayError, bad_request, model_not_found, no_backend, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
                               charge_timeout, settle)
 from gateway.http.headers import trace_headers, valid_request_id
-from gateway.limits.limiter import reservation_headers
+from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, stream_status
 from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import Exchange, RequestState
 from gateway.routing.shape import classify, session_of
@@ -57,14 +57,14 @@ def parse_body(raw: bytes, route: str) -> dict[str, Any]:
 
 
 async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
-    """An API request: request id and API key first, then the pipeline (whose first step, reading the body,
-    raises 413 for a body over the limit, unread); every error leaves as OpenAI-shaped JSON and the request
-    gets exactly one access-log line however it ends (and a refusal is counted there, as REJECTED)."""
+    """An API request: request id first, then the pipeline (whose first steps, checking the API key and reading
+    the body, raise 401 for a missing or unknown key and 413 for a body over the limit, unread); every error leaves
+    as OpenAI-shaped JSON and the request gets exactly one access-log line however it ends (and a refusal is
+    counted there, as REJECTED)."""
     headers = ex.headers
     st = RequestState(valid_request_id(headers.get("x-request-id")) or g.request_ids.next(), ex, route)
     status = 500
     try:
-        st.principal = g.auth.authenticate(headers)
         resp = await handle(g, st)
         status = resp.status
         return resp
@@ -75,7 +75,7 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         headers["x-shapegate-backend"] = st.backend
         headers["x-shapegate-reason"] = st.reason or (err.code or "error")
         if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
-            headers.update(reservation_headers(st.limit))
+            headers.update(st.limit.headers())
         return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)
@@ -85,33 +85,36 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
 
 
 async def handle(g: Gateway, st: RequestState) -> Any:
-    """The request path, one call per stage."""
-    st.t_in = time.perf_counter()
+    """The request path, one call per stage; what a stage decides is kept on the request's state here."""
     ex = st.ex
+    headers = ex.headers
+    st.principal = caller = g.auth.authenticate(headers)  # first: a request without a valid key is not read
+    st.t_in = time.perf_counter()
     st.raw = raw = await ex.read()
     st.body = body = parse_body(raw, st.route)
-    headers = ex.headers
     sid = session_of(body, headers)
-    assert st.principal is not None  # the API key is checked before the pipeline runs
-    principal = st.principal.id
+    principal = caller.id
     hot = g.hot
     st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=hot.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
     now = time.monotonic()
-    plan = g.limiter.plan(st.principal, shape.model, hot.limits)  # None for a key without rate limits
+    plan = g.limiter.plan(caller, shape.model, hot.limits)  # None for a key without rate limits
     if plan is not None:  # take from its buckets or raise a 429: at once from this process's, or through Redis
+        tokens = plan.tokens(shape, body)  # the prompt once, the output for each of `n` choices
         if g.limiter.shared is None:
-            g.limiter.take(st, plan, shape.prompt_tokens + shape.output_tokens, now)
+            held = g.limiter.take(plan, tokens, now)
         else:
-            await g.limiter.reserve(st, plan, shape.prompt_tokens + shape.output_tokens, hot.limits)
+            held = await g.limiter.reserve(plan, tokens, hot.limits)
             now = time.monotonic()
+        st.limit, st.limit_lines = held, held.lines
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     candidates = g.pool.candidates(shape.model, shape.klass, now)
-    arm = None
+    arm = choice = None
     if g.experiments and shape.model in g.experiments.models:
-        candidates, arm = experiments.enter(g.experiments, st, shape, body, headers, candidates)
+        choice = experiments.enter(g.experiments, caller, shape, body, headers, candidates)
+        candidates, arm, st.split, st.shadow = choice.candidates, choice.arm, choice.split, choice.shadow
     if not candidates:
         raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
@@ -125,8 +128,8 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     decision = policy.rank(route_in) if arm is None else experiments.rank_arm_first(policy, route_in, arm)
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
-    if st.shadow is not None:
-        st.tap = shadow.launch(g, *st.shadow, st, shape, body, raw)  # starts once this request has gone out
+    if choice is not None and choice.shadow is not None:
+        st.tap = shadow.launch(g, *choice.shadow, st, shape, body, raw)  # starts once this request has gone out
     return await dispatch(g, st, shape, decision)
 
 
@@ -252,8 +255,8 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             meter = StreamMeter()
             resp = await stream_reply(g, st, b, reply, meter, rename, started, first_by)
             usage = meter.usage
-            outcome_ok = meter.error is None
-            status = 200 if outcome_ok else (meter.error.status if meter.error else 502)
+            status = stream_status(meter)
+            outcome_ok = status == 200
             return resp
         try:
             data = await reply.read(cfg.max_reply_bytes)
@@ -296,16 +299,8 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         n_prompt = (usage or {}).get("prompt_tokens")
         if isinstance(n_prompt, int):
             g.prompt_sizer.observe(shape.model, shape.prompt_tokens, n_prompt)
-        st.outcome = o = Outcome(
-            backend=b.id, shape=shape, ok=outcome_ok, status=status,
-            ttft=(meter.t_first - t0) if meter and meter.t_first is not None else None,
-            itl=_itl(meter, usage),
-            e2e=time.perf_counter() - t0,
-            prompt_tokens=int((usage or {}).get("prompt_tokens") or shape.prompt_tokens),
-            completion_tokens=int((usage or {}).get("completion_tokens") or (meter.token_events if meter else 0)),
-            cached_tokens=_cached(usage), running_at_start=running_at_start,
-            result=OK if outcome_ok else CLIENT_ERROR if engine_ok else CLIENT_LEFT if left else ENGINE_ERROR)
-        g.record_soon((b, shape, o, st.t_in, t0, st.split))
+        st.outcome = o = measured(b.id, shape, t0, status, outcome_ok, engine_ok, left, meter, usage, running_at_start)
+        g.record_soon(b, shape, o, st.t_in, t0, st.split)
 
 
 async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: UpstreamReply, meter: StreamMeter,
@@ -329,9 +324,9 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
         raise Retryable(upstream_failed("the engine's reply broke before the first token"))
     if started > b.last_output:
         b.last_output = started
-    if first.startswith((b'data: {"error"', b'data:{"error"')):
+    if first.startswith(ERROR_EVENT_STARTS):
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
-        err = _first_event_error(first)
+        err = first_event_error(first)
         if err is None:
             charge(b)
             raise Retryable(upstream_failed("the engine began its stream with a malformed error event"))
@@ -396,27 +391,3 @@ async def _read_quietly(reply, limit: int) -> bytes:
         return await reply.read(limit, truncate=True)
     except TRANSPORT_ERRORS:
         return b""
-
-
-def _first_event_error(first: bytes) -> GatewayError | None:
-    """The error an engine's first event carries, or None when that event is not readable JSON."""
-    try:
-        payload = orjson.loads(first.split(b"\n\n", 1)[0][5:])
-    except orjson.JSONDecodeError:
-        return None
-    return error_from_event(payload) if isinstance(payload, dict) else None
-
-
-def _cached(usage: dict | None) -> int:
-    details = (usage or {}).get("prompt_tokens_details")
-    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
-
-
-def _itl(meter: StreamMeter | None, usage: dict | None) -> float | None:
-    """GenAI-Perf ITL: (last token - first token) / (output tokens - 1), tokens from usage when the engine says."""
-    if meter is None or meter.t_first is None or meter.t_last is None:
-        return None
-    n = int((usage or {}).get("completion_tokens") or meter.token_events)
-    return (meter.t_last - meter.t_first) / (n - 1) if n > 1 else None
-
-

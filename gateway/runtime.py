@@ -6,13 +6,11 @@ import asyncio
 import logging
 import os
 import secrets
-import select
-import sys
 import time
-from typing import Any, Callable, Final, Mapping
+from typing import Any, Final, Mapping
 
 import aiohttp
-import orjson
+from aiohttp import web
 
 import backends
 import policies
@@ -21,14 +19,15 @@ from gateway.keys.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.routing.context import PromptSizer
 from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
-from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, RequestShape
+from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, Record, RequestShape
 from gateway.http.headers import safe_value
 from gateway.hot_settings import HotSettings
 from gateway.keys.keystore import KeyStore
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_buckets import SharedBuckets
+from gateway.observe.access_log import AccessEntry, AccessLog
 from gateway.observe.metrics import Metrics
-from gateway.routing.request import RequestState
+from gateway.routing.request import ExperimentRef, RequestState
 from gateway.fleet.pool import BackendState, Pool
 from gateway.routing.affinity import AffinityIndex
 from gateway.stats.rolling import OutputEstimator, Tally
@@ -36,7 +35,6 @@ from gateway.stats.merge import group_report
 from gateway.stats.share import Sharing
 
 SAFE_UPSTREAM_HEADERS: Final = ("content-type",)
-MAX_PENDING_LINES: Final = 50_000  # access-log lines held while stdout does not take them; the oldest go first
 log = logging.getLogger("shapegate")
 
 
@@ -57,84 +55,26 @@ def build_routing(cfg: GatewayConfig) -> tuple[Policy, dict[str, Policy]]:
             {name: build_policy(m.policy or r.policy, m.params) for name, m in r.models.items()})
 
 
-class AccessLog:
-    """One JSON line per request, batched, and written to stdout without ever blocking the loop. A request
-    leaves its fields as a tuple (log_line's arguments); they become JSON at the next flush, off its path."""
+class EndedAttempt(Record):
+    """One attempt on a backend that ended, waiting for the record stage (Gateway.record_soon)."""
 
-    def __init__(self, enabled: bool, stream=None, on_drop: Callable[[int], None] | None = None) -> None:
-        self.enabled = enabled
-        self._stream = stream or sys.stdout
-        self._entries: list[tuple] = []  # log_line's arguments, one tuple per request, not yet made into lines
-        self._lines: list[bytes] = []
-        self._rest = b""  # the unwritten tail of a partial write; goes out first
-        self._fd: int | None = None
-        self._was_blocking = True
-        self._on_drop = on_drop
+    FIELDS = ("backend", "shape", "outcome", "t_in", "t_upstream", "split")
+    __slots__ = FIELDS
+    backend: Final[BackendState]
+    shape: Final[RequestShape]
+    outcome: Final[Outcome]
+    t_in: Final[float]  # when the request came in (perf_counter)
+    t_upstream: Final[float]  # when this attempt went upstream (perf_counter)
+    split: Final[ExperimentRef | None]  # the split experiment the request was assigned to
 
-    def add(self, entry: tuple) -> None:
-        if self.enabled:
-            self._entries.append(entry)
-            if len(self._entries) >= 256:
-                self.flush()
-
-    def _fileno(self) -> int | None:
-        if self._fd is None:
-            try:
-                self._fd = self._stream.fileno()
-            except (AttributeError, OSError, ValueError):
-                self._fd = -1  # an in-memory stream (tests)
-            else:
-                # A full pipe must not stall the loop: lines wait in memory and go out on a later flush.
-                self._was_blocking = os.get_blocking(self._fd)
-                os.set_blocking(self._fd, False)
-        return self._fd if self._fd >= 0 else None
-
-    def flush(self) -> None:
-        if self._entries:
-            self._lines += [orjson.dumps(log_line(*e)) for e in self._entries]
-            self._entries.clear()
-        if not self._lines and not self._rest:
-            return
-        fd = self._fileno()
-        if fd is None:
-            self._stream.write(b"".join(x + b"\n" for x in self._lines).decode())
-            self._stream.flush()
-            self._lines.clear()
-            return
-        lines, i = self._lines, 0
-        try:
-            if self._rest:
-                self._rest = self._rest[os.write(fd, self._rest):]
-            while i < len(lines) and not self._rest:
-                # Writes of up to PIPE_BUF bytes are atomic on a pipe: workers sharing stdout never split a line.
-                j, size = i + 1, len(lines[i]) + 1
-                while j < len(lines) and size + len(lines[j]) + 1 <= select.PIPE_BUF:
-                    size += len(lines[j]) + 1
-                    j += 1
-                data = b"\n".join(lines[i:j]) + b"\n"
-                self._rest = data[os.write(fd, data):]
-                i = j
-        except BlockingIOError:
-            pass  # stdout is full: the rest waits for the next flush
-        except OSError as e:
-            log.error("access log disabled: stdout refused a write (%s)", e)
-            self.enabled, self._rest, i = False, b"", len(lines)
-        del lines[:i]
-        if len(lines) > MAX_PENDING_LINES:
-            dropped = len(lines) - MAX_PENDING_LINES
-            del lines[:dropped]
-            if self._on_drop is not None:
-                self._on_drop(dropped)
-
-    def close(self) -> None:
-        """Last flush at shutdown: wait for stdout rather than lose the final lines; leave stdout as it was."""
-        if self._entries or self._lines or self._rest:
-            fd = self._fileno()
-            if fd is not None:
-                os.set_blocking(fd, True)
-            self.flush()
-        if self._fd is not None and self._fd >= 0:
-            os.set_blocking(self._fd, self._was_blocking)
+    def __init__(self, backend: BackendState, shape: RequestShape, outcome: Outcome, t_in: float,
+                 t_upstream: float, split: ExperimentRef | None) -> None:
+        self.backend = backend
+        self.shape = shape
+        self.outcome = outcome
+        self.t_in = t_in
+        self.t_upstream = t_upstream
+        self.split = split
 
 
 class Gateway:
@@ -158,7 +98,7 @@ class Gateway:
         self.metrics = Metrics(self.pool.all)
         self.estimator = OutputEstimator()
         self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
-        self._to_record: list[tuple] = []  # attempts ended in this loop turn, recorded at its end (record_soon)
+        self._to_record: list[EndedAttempt] = []  # attempts ended in this loop turn, recorded at its end (record_soon)
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
         # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
         self.tally = Tally()
@@ -255,26 +195,27 @@ class Gateway:
         return h  # a key with limits: its x-ratelimit headers follow as lines (RequestState.limit_lines)
 
     # -- record stage ----------------------------------------------------------------------------
-    def record_soon(self, attempt: tuple) -> None:
-        """record(*attempt) once the loop has run the callbacks now due, together with every attempt that ended
+    def record_soon(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
+                    split: ExperimentRef | None) -> None:
+        """record() this attempt once the loop has run the callbacks now due, together with every attempt that ended
         meanwhile: the same code run over several outcomes in a row stays in the CPU's caches (at c=64, about 9 %
         of a non-streamed request's CPU). A request routed before then sees the stats without those outcomes, as
         if they had ended a moment later."""
         batch = self._to_record
-        batch.append(attempt)
+        batch.append(EndedAttempt(b, shape, o, t_in, t_upstream, split))
         if len(batch) == 1:
             asyncio.get_running_loop().call_soon(self._record_batch)
 
     def _record_batch(self) -> None:
         batch, self._to_record = self._to_record, []
-        for attempt in batch:
+        for a in batch:
             try:
-                self.record(*attempt)
+                self.record(a.backend, a.shape, a.outcome, a.t_in, a.t_upstream, a.split)
             except Exception as e:  # one bad record must not lose the rest of the turn's
                 log.error("recording an attempt failed: %s", type(e).__name__)
 
     def record(self, b: BackendState, shape: RequestShape, o: Outcome, t_in: float, t_upstream: float,
-               split=None) -> None:
+               split: ExperimentRef | None = None) -> None:
         if self.hot.stats_enabled:
             now = time.monotonic()
             load = b.load
@@ -300,7 +241,7 @@ class Gateway:
         """A request's end, however it ended (served, failed over, refused, client gone): a refusal is counted
         here (each attempt on a backend was, in record), the routing reason by class, and its access-log line."""
         if st.limit is not None:
-            self.limiter.settle(st, st.limit)  # its tokens from the usage the reply reported
+            st.limit.settle(st.outcome)  # its tokens from the usage the reply reported
         shape, result = st.shape, request_result(st.outcome, status)
         klass = shape.klass if shape is not None else ""
         if result == REJECTED:
@@ -311,32 +252,18 @@ class Gateway:
         elif st.reason and shape is not None:
             kind = self.metrics.reason_kind(self.policy_name(shape.model), st.reason)
             self.tally.add(("reason", klass, kind), time.monotonic())
-        if st.tap is not None and not st.tap.done.done():
-            st.tap.done.set_result(st.outcome)  # the shadow copy's comparison may start
+        if st.tap is not None:
+            st.tap.close(st.outcome)  # the shadow copy's comparison may start
         if self.access_log.enabled:
             x = st.split or (st.shadow[0] if st.shadow is not None else None)
-            self.access_log.add((time.time(), st.request_id, st.principal.id if st.principal is not None else None,
-                                 st.shape, st.backend, st.reason, status, result, st.outcome,
-                                 x.name if x is not None else None, arm_of(st) if x is not None else None))
+            self.access_log.add(AccessEntry(time.time(), st.request_id,
+                                            st.principal.id if st.principal is not None else None,
+                                            st.shape, st.backend, st.reason, status, result, st.outcome,
+                                            x.name if x is not None else None, arm_of(st) if x is not None else None))
 
 
-def log_line(ts: float, request_id: str, principal: str | None, shape: RequestShape | None, backend: str,
-             reason: str, status: int, result: str, o: Outcome | None, experiment: str | None,
-             arm: str | None) -> dict:
-    """A request's access-log line from the fields its end left (AccessLog.add)."""
-    # The values first, then the dict in one go: a literal builds it at its final size, each later store costs.
-    model = klass = stream = ttft = itl = e2e = n_prompt = n_completion = None
-    if shape is not None:
-        model, klass, stream = shape.model, shape.klass, shape.stream
-    if o is not None:
-        if status == 200 and not o.ok:
-            status = o.status  # the stream had started (200 sent), then failed
-        ttft, itl, e2e = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
-        n_prompt, n_completion = o.prompt_tokens, o.completion_tokens
-    return {"ts": _thousandths(ts), "request_id": request_id, "principal": principal, "model": model,
-            "class": klass, "backend": backend or None, "reason": reason or None, "status": status,
-            "outcome": result, "stream": stream, "ttft_ms": ttft, "itl_ms": itl, "e2e_ms": e2e,
-            "prompt_tokens": n_prompt, "completion_tokens": n_completion, "experiment": experiment, "arm": arm}
+# Where an app keeps its gateway (gateway/app.py puts it there; routes, ops and the CLI find it).
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 
 
 def request_result(o: Outcome | None, status: int) -> str:
@@ -358,17 +285,6 @@ def arm_of(st: RequestState) -> str:
     if st.split is not None:
         return st.split.arm_of(st.backend) or ""
     return PRIMARY
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else _thousandths(v * 1000)
-
-
-def _thousandths(v: float) -> float:
-    """v to 3 decimals, as round(v, 3) has it but for a rare last digit at a tie. round() formats the number as
-    text and parses it back: each call costs nearly what orjson takes for the whole line (a log's times are
-    never negative)."""
-    return int(v * 1000 + 0.5) / 1000
 
 
 class RequestIds:

@@ -30,7 +30,13 @@ def idle_slot(b: BackendView, assumed_slots: int) -> bool:
 
 class Settings:
     """Params as plain attributes: a request reads a dozen, and each read of a pydantic model's field goes
-    through its __getattr__ hook (a few hundred instructions)."""
+    through its __getattr__ hook (a few hundred instructions); compiled (mypyc cannot compile a pydantic model,
+    hence Params in a module of its own), each is a field of a C struct.
+
+    Written out rather than copied in a loop over Params.model_fields: mypy then types each attribute from
+    Params (a loop would need the types declared a second time, unchecked), and mypyc sees every attribute set
+    in __init__, so a read skips its "undefined?" check. tests/unit/test_policies.py fails if one is left out.
+    """
 
     def __init__(self, p: Params) -> None:
         self.herd_weight = p.herd_weight

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+
+from benchmarks.loopback import free_port
 
 
 @dataclass
@@ -147,12 +148,6 @@ def make_app(knobs: Knobs | None = None) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _health)
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:

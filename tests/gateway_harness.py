@@ -8,12 +8,11 @@ from typing import Any
 
 import aiohttp
 
-from gateway.app import build_app
-from gateway.keys.auth import hash_key
+from gateway.app import build_app, serve
+from gateway.keys.principal import hash_key
 from gateway.config import parse_config
-from gateway.http.front import Front, start_serving
-from gateway.routing.request import GATEWAY
-from gateway.runtime import build_policy
+from gateway.http.front import Front
+from gateway.runtime import GATEWAY, build_policy
 
 USER_KEY = "sk-test-user-key"
 ADMIN_KEY = "sk-test-admin-key"
@@ -53,7 +52,7 @@ class RunningGateway:
 
 async def start_gateway(cfg: dict[str, Any], wait_ready: bool = True, timeout: float = 10.0) -> RunningGateway:
     app = build_app(parse_config(cfg, build_policy))
-    gw = RunningGateway(await start_serving(app, "127.0.0.1", 0))
+    gw = RunningGateway(await serve(app, "127.0.0.1", 0))
     if wait_ready:
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as s:

@@ -1,22 +1,19 @@
-"""Simulated engines and the gateway as real processes on loopback, for kill, restart and signal tests."""
+"""Simulated engines, the gateway and the `shapegate` command as real processes on loopback, and the config
+files they read."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import random
-import signal
-import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from tests.fake_engine import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.loopback import ROOT, Proc, free_port, restartable_port
 
 
 def _toml_value(v: Any) -> str:
@@ -54,71 +51,24 @@ def to_toml(cfg: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def wait_http(url: str, timeout: float, want: int | None = 200) -> None:
-    """Until `url` answers (with `want`, or anything when None); bounded by `timeout`."""
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                    if want is None or r.status == want:
-                        return
-            except (aiohttp.ClientError, TimeoutError):
-                pass  # not up yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not answer within {timeout} s")
-            await asyncio.sleep(0.05)
+def write_config(directory: Path, cfg: dict[str, Any], name: str = "gw.toml") -> Path:
+    """`cfg` as a TOML file in `directory`; its path."""
+    path = directory / name
+    path.write_text(to_toml(cfg))
+    return path
 
 
-class Proc:
-    """One child process on a fixed loopback port, killable and restartable on the same port."""
-
-    def __init__(self, argv: list[str], port: int, ready_path: str, log: Path | None = None) -> None:
-        self.argv = argv
-        self.port = port
-        self.ready_path = ready_path
-        self.log = log  # stderr goes here (appended across restarts), else nowhere: an unread pipe would block
-        self.proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self, wait: bool = True, timeout: float = 15.0) -> "Proc":
-        err = open(self.log, "ab") if self.log is not None else asyncio.subprocess.DEVNULL
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=err,
-                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        finally:
-            if self.log is not None:
-                err.close()  # the child has its own copy
-        if wait:
-            await wait_http(self.url + self.ready_path, timeout)
-        return self
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.send_signal(sig)
-
-    async def kill(self) -> None:
-        """SIGKILL: no goodbye to open connections beyond what the kernel does."""
-        self.signal(signal.SIGKILL)
-        if self.proc is not None:
-            await self.proc.wait()
-
-    async def stop(self, timeout: float = 10.0) -> int | None:
-        if self.proc is None or self.proc.returncode is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.signal(signal.SIGTERM)
-        try:
-            return await asyncio.wait_for(self.proc.wait(), timeout)
-        except TimeoutError:
-            await self.kill()
-            return self.proc.returncode
-
-    def stderr_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log is not None and self.log.exists() else ""
+async def shapegate(*args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                    unset: Iterable[str] = (), timeout: float = 60.0) -> tuple[int, str, str]:
+    """Run `python -m gateway.cli.main ARGS` as a process, stdin closed, this loop serving meanwhile (its engines,
+    its gateway): (exit status, stdout, stderr). `env` adds to this process's environment, less `unset`."""
+    gone = set(unset)
+    proc = await asyncio.create_subprocess_exec(
+        *prefix, sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if k not in gone}, "PYTHONPATH": str(ROOT), **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out.decode(), err.decode()
 
 
 async def workers_ready(url: str, workers: int, timeout: float = 10.0) -> set[str]:
@@ -135,20 +85,6 @@ async def workers_ready(url: str, workers: int, timeout: float = 10.0) -> set[st
                     ready.add(r.headers["x-request-id"][:12])
         await asyncio.sleep(0.02)
     return ready  # the workers' request-id prefixes
-
-
-def restartable_port() -> int:
-    """A free port below the kernel's ephemeral range, so that no port-0 listener takes it while a
-    killed engine is down and it can come back on the same port."""
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use: try another
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def sim_proc(engine: str, port: int | None = None, *extra: str) -> Proc:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -14,6 +13,7 @@ import openai
 import orjson
 
 from tests.gateway_harness import USER_KEY
+from tests.kit import until
 
 MSG = [{"role": "user", "content": "hi"}]
 CONTENT = "hello world"
@@ -208,7 +208,7 @@ class RawEngine:
     async def settled(self) -> None:
         """Until every answer is written and has had time to reach the gateway: a late reply must not be
         taken for the answer to the test's next request (HTTP/1.1 cannot tell them apart)."""
-        assert await until(lambda: self.busy == 0, 5.0)
+        await until(lambda: self.busy == 0, "every answer written")
         await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -318,11 +318,3 @@ def stream_ending(body: bytes) -> str:
         return "truncated"
     return "error" if b'data: {"error"' in body else "done"
 
-
-async def until(pred: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True

@@ -7,10 +7,9 @@ import asyncio
 import signal
 import sys
 
-from gateway.app import build_app
-from gateway.keys.auth import hash_key, new_key
+from gateway.app import build_app, serve
+from gateway.keys.principal import hash_key, new_key
 from gateway.config import parse_config
-from gateway.http.front import start_serving
 from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
 
@@ -89,7 +88,7 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
         key = new_key()
         cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port, ab),
                            build_policy)
-        front = await start_serving(build_app(cfg), host, port)
+        front = await serve(build_app(cfg), host, port)
         print(banner(f"http://{host}:{port}", key, ab), flush=True)
         if ready is not None:
             ready.set()

@@ -27,6 +27,8 @@ class Failed(Exception):
         self.status = status
 
 
+# urllib rather than the gateway's clients: one blocking call to the admin API and the command exits, with
+# no event loop or session to run (as shapegate ab).
 class _KeepAuthorizationHere(urllib.request.HTTPRedirectHandler):
     # Following a redirect would send the admin key on to wherever it points.
     def redirect_request(self, req, fp, code, msg, headers, newurl):

@@ -16,7 +16,7 @@ import sys
 from gateway.cli import ab as ab_report
 
 from gateway.cli import keys as keys_client
-from gateway.keys.auth import hash_key, new_key
+from gateway.keys.principal import hash_key, new_key
 from gateway.config import ConfigError, GatewayConfig, load_config
 
 
@@ -39,10 +39,9 @@ def read_config(path: str) -> GatewayConfig:
 async def serve_until_signal(cfg, host: str, port: int, config_path: str | None = None,
                              reuse_port: bool = False) -> None:
     """Run the gateway; SIGHUP reloads the config; SIGTERM/SIGINT stop accepting and let streams finish."""
-    from gateway.app import build_app
-    from gateway.http.front import start_serving
+    from gateway.app import build_app, serve
     from gateway.ops.lifecycle import CUT_MARGIN_S, shutdown
-    from gateway.routing.request import GATEWAY
+    from gateway.runtime import GATEWAY
     from gateway.ops.reload import RELOADER
 
     try:
@@ -51,7 +50,7 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
         raise fail(str(e)) from None
     grace = cfg.server.shutdown_grace_s
     try:
-        front = await start_serving(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
+        front = await serve(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
     except OSError as e:
         raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
     logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
@@ -67,6 +66,7 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = read_config(args.config)
+    check_keys_file(cfg)
     import uvloop
 
     raise_file_limit()
@@ -85,6 +85,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
 
     return run_workers(args.workers, worker)
+
+
+def check_keys_file(cfg: GatewayConfig) -> None:
+    """A keys file in a place another local user could change is refused before any worker starts (exit 2)."""
+    if cfg.auth.keys_file and cfg.state.backend != "redis":
+        from gateway.keys.storage import FileKeys
+
+        try:
+            FileKeys(cfg.auth.keys_file)
+        except ValueError as e:
+            raise fail(str(e)) from None
 
 
 def os_reason(e: OSError) -> str:
@@ -151,7 +162,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from gateway.fleet import probe
+    from gateway.cli import probe
 
     cfg = read_config(args.config)
     return probe.run(cfg, args.timeout or cfg.probe.timeout_s, args.json)

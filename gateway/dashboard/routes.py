@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -15,7 +16,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.dashboard.session import check_secret, issue_token, verify_token
+from gateway.dashboard.session import (
+    Binding,
+    bound_secret,
+    check_secret,
+    issue_token,
+    verify_bound_token,
+    verify_token,
+)
+from gateway.dashboard.throttle import SignInThrottle
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,9 @@ class DashboardSettings:
     ttl_s: float
     clock: Callable[[], float]
     assets: Mapping[str, tuple[bytes, str]]
+    binding: Binding | None  # None: any token signed with `secret` holds until it expires
+    peer_header: str | None  # where the host's front puts the client's address; None: the socket's peer
+    throttle: SignInThrottle
 
 
 DASHBOARD = web.AppKey("shapegate_dashboard", DashboardSettings)
@@ -68,6 +80,9 @@ def setup_dashboard(
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     clock: Callable[[], float] = time.time,
     wrap: Callable[[Callable], Callable] = lambda handler: handler,
+    session_binding: Binding | None = None,
+    peer_header: str | None = None,
+    throttle: SignInThrottle | None = None,
 ) -> None:
     """Register /dashboard, /dashboard/{login,logout,feed} and /dashboard/static/{file}.
 
@@ -80,7 +95,11 @@ def setup_dashboard(
     `secure_cookie` must stay True whenever the gateway is reached over TLS; only a plain-HTTP
     loopback listener (tests, local use) may turn it off, since browsers drop Secure cookies there.
     Sessions are stateless: signing out clears the browser's copy, rotating the secret ends them all.
+    With `session_binding` a session is signed for the key that opened it and checked against the live keys on
+    every request (session.py): revoking that key, or its admin flag, ends the session at once.
     `wrap` is applied to every handler (the host application's request id and error handling).
+    Failed sign-ins are throttled per client address (`peer_header`, set by the host's front, or the socket's
+    peer): 429 with Retry-After once an address has used up its attempts (throttle.py).
     """
     check_secret(session_secret)
     if session_ttl_s <= 0:
@@ -93,6 +112,9 @@ def setup_dashboard(
         ttl_s=session_ttl_s,
         clock=clock,
         assets=_load_assets(STATIC_DIR),
+        binding=session_binding,
+        peer_header=peer_header,
+        throttle=throttle or SignInThrottle(),
     )
     app.router.add_get("/dashboard", wrap(_page))
     app.router.add_post("/dashboard/login", wrap(_login))
@@ -101,11 +123,14 @@ def setup_dashboard(
     app.router.add_get("/dashboard/static/{file}", wrap(_static))
 
 
-def session_principal(request: web.Request, secret: bytes, *, now: float | None = None) -> str | None:
-    """Admin principal carried by the request's dashboard cookie, if validly signed and unexpired."""
-    return verify_token(
-        request.cookies.get(COOKIE_NAME), secret, now=time.time() if now is None else now
-    )
+def session_principal(request: web.Request, secret: bytes, *, now: float | None = None,
+                      binding: Binding | None = None) -> str | None:
+    """Admin principal carried by the request's dashboard cookie, if validly signed and unexpired (and, with
+    `binding`, signed for a key that is still a live admin key)."""
+    token, at = request.cookies.get(COOKIE_NAME), time.time() if now is None else now
+    if binding is None:
+        return verify_token(token, secret, now=at)
+    return verify_bound_token(token, secret, binding, now=at)
 
 
 def _load_assets(folder: Path) -> Mapping[str, tuple[bytes, str]]:
@@ -135,7 +160,7 @@ def _principal(request: web.Request, settings: DashboardSettings) -> str | None:
         principal = settings.admin_for_key(key)
         if principal:
             return principal
-    return verify_token(request.cookies.get(COOKIE_NAME), settings.secret, now=settings.clock())
+    return session_principal(request, settings.secret, now=settings.clock(), binding=settings.binding)
 
 
 def _error(status: int, message: str, err_type: str, code: str) -> web.Response:
@@ -185,15 +210,41 @@ async def _page(request: web.Request) -> web.Response:
     return _unauthorized()
 
 
+def _client_address(request: web.Request, settings: DashboardSettings) -> str:
+    if settings.peer_header is not None:
+        return request.headers.get(settings.peer_header, "")
+    return request.remote or ""
+
+
+def _throttled(request: web.Request, settings: DashboardSettings, wait_s: float) -> web.Response:
+    seconds = max(1, math.ceil(wait_s))
+    message = f"Too many sign-in attempts from this address; try again in {seconds} s."
+    if "text/html" in request.headers.get("Accept", ""):
+        response = _login_page(settings, status=429, error=message)
+    else:
+        response = _error(429, message, "rate_limit_error", "rate_limit_exceeded")
+    response.headers["Retry-After"] = str(seconds)
+    return response
+
+
 async def _login(request: web.Request) -> web.Response:
     settings = request.app[DASHBOARD]
+    address = _client_address(request, settings)
+    wait_s = settings.throttle.retry_after(address)
+    if wait_s > 0:  # before the key is even read: a throttled guess learns nothing
+        return _throttled(request, settings, wait_s)
     form = await request.post()
     key = form.get("key")
     key = key.strip() if isinstance(key, str) else ""
     principal = settings.admin_for_key(key) if key else None
-    if not principal:
+    secret: bytes | None = settings.secret
+    if principal and settings.binding is not None:
+        bound = settings.binding(principal)
+        secret = bound_secret(settings.secret, bound) if bound is not None else None
+    if not principal or secret is None:
+        settings.throttle.failed(address)
         return _login_page(settings, status=401, error="That key is not an admin key.")
-    token = issue_token(principal, settings.secret, now=settings.clock(), ttl_s=settings.ttl_s)
+    token = issue_token(principal, secret, now=settings.clock(), ttl_s=settings.ttl_s)
     response = web.Response(status=303, headers={"Location": "/dashboard", "Cache-Control": "no-store"})
     response.set_cookie(
         COOKIE_NAME,

@@ -1,4 +1,5 @@
-"""Signed dashboard session tokens: principal + expiry under HMAC-SHA256, never the API key."""
+"""Signed dashboard session tokens: principal + expiry under HMAC-SHA256, never the API key; optionally bound
+to the key that opened the session, so that revoking (or replacing) the key ends the session at once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import base64
 import hashlib
 import hmac
 import math
+from collections.abc import Callable
 
 import orjson
 
@@ -25,6 +27,17 @@ def _mac(secret: bytes, body: str) -> bytes:
     # The domain prefix keeps this MAC from ever validating a value signed for another purpose
     # with the same secret.
     return hmac.new(secret, b"shapegate-dash-v1." + body.encode("ascii"), hashlib.sha256).digest()
+
+
+# What ties a session to the key it was opened with (the key's digest), by principal id; None when that
+# principal has no live admin key now. Looked up afresh for every request that shows a cookie.
+Binding = Callable[[str], bytes | None]
+
+
+def bound_secret(secret: bytes, binding: bytes) -> bytes:
+    """The secret a session opened with one particular key is signed with: a token made for a key that has
+    since been revoked or replaced (another key under the same id) matches no live key's secret."""
+    return hmac.new(secret, b"shapegate-dash-key." + binding, hashlib.sha256).digest()
 
 
 def check_secret(secret: bytes) -> None:
@@ -66,3 +79,25 @@ def verify_token(token: str | None, secret: bytes, *, now: float) -> str | None:
     if now >= exp:
         return None
     return principal
+
+
+def claimed_principal(token: str | None) -> str | None:
+    """The principal a token says it is for, NOT verified: only to find which key's secret verifies it."""
+    if not token or token.count(".") != 1 or len(token) > 4096:
+        return None
+    try:
+        payload = orjson.loads(_unb64(token.split(".")[0]))
+    except (ValueError, orjson.JSONDecodeError):
+        return None
+    principal = payload.get("p") if isinstance(payload, dict) else None
+    return principal if isinstance(principal, str) and principal else None
+
+
+def verify_bound_token(token: str | None, secret: bytes, binding: Binding, *, now: float) -> str | None:
+    """Principal of a token signed for a key that is still a live admin key, not expired at `now`; None else."""
+    claimed = claimed_principal(token)
+    bound = binding(claimed) if claimed is not None else None
+    if bound is None:
+        return None
+    principal = verify_token(token, bound_secret(secret, bound), now=now)
+    return principal if principal == claimed else None

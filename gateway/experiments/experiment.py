@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any, Final, Iterable, Mapping
@@ -10,15 +11,19 @@ from typing import TYPE_CHECKING, Any, Final, Iterable, Mapping
 from gateway.config_experiments import ExperimentConfig
 from gateway.contracts import ENGINE_ERROR, OK, Decision, Outcome, Policy, RequestShape, RouteInput
 from gateway.errors import GatewayError, bad_request
-from gateway.experiments.verdict import METRICS, Reservoir, compare, describe, summary
+from gateway.experiments.guard import ErrorGuard, shared_stop
+from gateway.experiments.verdict import METRICS, Reservoir
+from gateway.keys.auth import ANONYMOUS
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import BackendState
-    from gateway.routing.request import RequestState
+    from gateway.routing.request import Caller
 
 ALL: Final = "all"  # the class every request also counts in: a verdict comes sooner on the whole traffic
 PRIMARY: Final = "primary"  # a shadow experiment's control: the model served as usual
 ARM_HEADER: Final = "x-shapegate-arm"
+
+log = logging.getLogger("shapegate.experiments")
 
 
 def bucket(experiment: str, subject: str) -> float:
@@ -105,11 +110,16 @@ class Experiment:
         self.arms = [Arm(a.name, a.backends, a.weight) for a in cfg.arms]
         self.enabled = cfg.enabled
         self.fraction = cfg.fraction
+        self.margin = cfg.practical_margin
+        # Split arms only: a shadow arm serves no client, so its errors cost nobody a reply.
+        self.guard = ErrorGuard(cfg.error_guard_margin, cfg.error_guard_min_requests) if cfg.mode == "split" \
+            else None
         self.version = 0  # bumped by each run-time change; replicas take the highest (gateway/experiment_sync.py)
         self.changed_at = time.time()
         self._arm_of = {b: a.name for a in self.arms for b in a.backends}
         self._by_name = {a.name: a for a in self.arms}
         self._cum: list[tuple[float, Arm]] = []
+        self._serving: frozenset[str] = frozenset()
         self._weights_changed()
         self.classes: dict[tuple[str, str], ArmClass] = {}
         self.started = time.time()
@@ -123,25 +133,36 @@ class Experiment:
         return frozenset(self._arm_of) if self.mode == "shadow" else frozenset()
 
     def _weights_changed(self) -> None:
-        total = sum(a.weight for a in self.arms)
+        # An arm the error guard stopped counts as weight 0; the guard never stops the last serving arm, and
+        # every run-time change lifts its stops, so some arm always serves.
+        stopped = self.guard.stopped if self.guard is not None else {}
+        weights = [(a, 0.0 if a.name in stopped else a.weight) for a in self.arms]
+        total = sum(w for _, w in weights)
         acc, self._cum = 0.0, []
-        for a in self.arms:
-            if a.weight > 0:
-                acc += a.weight / total
+        for a, w in weights:
+            if w > 0:
+                acc += w / total
                 self._cum.append((acc, a))
+        self._serving = frozenset(a.name for _, a in self._cum)
 
     # -- assignment ---------------------------------------------------------------------------------------
-    def subject_of(self, principal: str, session: str | None, body: Mapping[str, Any],
+    def subject_of(self, principal: str | None, session: str | None, body: Mapping[str, Any],
                    headers: Mapping[str, str]) -> str | None:
+        """What keeps the request on one arm: the configured subject, else its session, else its key (None
+        without any of them, or without a key of its own: auth off)."""
         kind = self.subject
         if kind == "key":
-            return principal
-        if kind == "session":
-            return session
-        if kind == "user":
+            found = principal
+        elif kind == "session":
+            found = session
+        elif kind == "user":
             user = body.get("user")
-            return user if isinstance(user, str) and user else None
-        return headers.get(kind[7:]) or None  # header:<name>, names in lower case
+            found = user if isinstance(user, str) and user else None
+        else:
+            found = headers.get(kind[7:]) or None  # header:<name>, names in lower case
+        # A request without the subject would otherwise draw an arm of its own, and one conversation could hop
+        # from arm to arm; its session and key were found anyway (no lookup more).
+        return found or session or principal
 
     def assign(self, subject: str | None) -> Arm:
         """The subject's arm; a request with no subject draws one of its own."""
@@ -160,10 +181,17 @@ class Experiment:
     # -- run-time control -----------------------------------------------------------------------------------
     def change(self, weights: Mapping[str, float] | None = None, enabled: bool | None = None,
                fraction: float | None = None) -> None:
-        """Apply a checked change (see check_change) at once."""
+        """Apply a checked change (see check_change) at once. Any change, made here or adopted from another
+        process, lifts the error guard's stops: an admin has acted (and a still failing arm is stopped again)."""
+        lift = self.guard is not None and bool(self.guard.stopped)
+        if lift and self.guard is not None:
+            log.info("experiment %s: the error guard's stops lifted by a run-time change (%s)", self.name,
+                     ", ".join(sorted(self.guard.stopped)))
+            self.guard.lift(self._counts())
         if weights:
             for name, w in weights.items():
                 self._by_name[name].weight = float(w)
+        if weights or lift:
             self._weights_changed()
         if enabled is not None:
             self.enabled = enabled
@@ -196,6 +224,29 @@ class Experiment:
             if c is None:
                 c = self.classes[arm, k] = ArmClass(seed=len(self.classes) * 16)
             c.add(o)
+        if o.result == ENGINE_ERROR and self.guard is not None:
+            self._guard(arm)
+
+    def _counts(self) -> dict[str, tuple[int, int]]:
+        """Each arm's requests and engine errors so far (the `all` class)."""
+        counts = {}
+        for a in self.arms:
+            c = self.classes.get((a.name, ALL))
+            if c is not None:
+                counts[a.name] = (c.requests, c.errors)
+        return counts
+
+    def _guard(self, arm: str) -> None:
+        """After an engine error on `arm`: stop it when the guard says its errors climbed above another arm's."""
+        guard = self.guard
+        if guard is None or not self.enabled:
+            return
+        stop = guard.check(arm, self._counts(), self._serving)
+        if stop is not None:
+            self._weights_changed()
+            log.warning("experiment %s: arm %s stopped by the error guard: %s; its weight counts as 0 in this "
+                        "process until a run-time change (PUT /admin/experiments/%s, shapegate ab start %s)",
+                        self.name, arm, stop.reason(), self.name, self.name)
 
     def count_shadow(self, arm: str, result: str) -> None:
         self.shadow_counts[arm, result] = self.shadow_counts.get((arm, result), 0) + 1
@@ -204,12 +255,14 @@ class Experiment:
         return [PRIMARY, *(a.name for a in self.arms)] if self.mode == "shadow" else [a.name for a in self.arms]
 
     def shared_samples(self, cap: int) -> dict:
-        """What other processes merge into their verdicts: counts, and up to `cap` samples per metric."""
+        """What other processes merge into their verdicts: counts, up to `cap` samples per metric, and the arms
+        the error guard stopped here."""
         return {"classes": {f"{arm}|{k}": {"requests": c.requests, "errors": c.errors,
                                            "samples": {m: _rounded(c.samples[m].values[:cap]) for m in METRICS}}
                             for (arm, k), c in self.classes.items()},
                 "shadow": {f"{arm}|{r}": n for (arm, r), n in self.shadow_counts.items()},
-                "agreement": {arm: a.shared(cap) for arm, a in self.agreement.items()}}
+                "agreement": {arm: a.shared(cap) for arm, a in self.agreement.items()},
+                "guard": {arm: stop.as_dict() for arm, stop in self.guard.stopped.items()} if self.guard else {}}
 
     def snapshot(self, remote: list[dict]) -> dict:
         """Everything a report needs, as plain data (own samples and other processes'), taken at once so that
@@ -236,55 +289,32 @@ class Experiment:
                     into[k] += int(a.get(k) or 0)
                 for k in ("prefix_share", "prefix_tokens"):
                     into[k].extend(a.get(k) or [])
+        guard = self.guard
         return {"name": self.name, "model": self.model, "mode": self.mode, "subject": self.subject,
                 "enabled": self.enabled, "fraction": self.fraction if self.mode == "shadow" else None,
+                "practical_margin": self.margin,
+                "error_guard": {"margin": guard.margin, "min_requests": guard.min_requests, "window": guard.window}
+                if guard is not None else None,
                 "version": self.version, "started": round(self.started, 3), "changed_at": round(self.changed_at, 3),
                 "arms": [{"name": n, "backends": sorted(a.backends) if a else None, "weight": a.weight if a else None,
+                          "serving": n in self._serving if a else None,
+                          "guard": _stops(n, [own, *remote]) if guard is not None else None,
                           "in_flight": self.shadow_in_flight.get(n) if self.mode == "shadow" and a else None}
                          for n, a in ((n, self._by_name.get(n)) for n in self.arm_names())],
                 "classes": classes, "shadow": shadow, "agreement": agreement,
                 "processes": 1 + len(remote)}
 
 
-def report(snap: dict) -> dict:
-    """An experiment's state, per-arm figures and every comparison (each arm against the first) with its
-    verdict, from a snapshot (pure: runs in a thread)."""
-    classes = snap.pop("classes")
-    shadow, agreement = snap.pop("shadow"), snap.pop("agreement")
-    total = sum(a["weight"] or 0 for a in snap["arms"]) or 1.0
-    for a in snap["arms"]:
-        n = a["name"]
-        a["share"] = round(a["weight"] / total, 4) if a["weight"] is not None else None
-        a["classes"] = {key.split("|", 1)[1]: {"requests": c["requests"], "errors": c["errors"],
-                                               **{m: summary(c["samples"][m]) for m in METRICS if m != "error_rate"}}
-                        for key, c in classes.items() if key.split("|", 1)[0] == n}
-        if snap["mode"] == "shadow" and a["weight"] is not None:
-            ag = agreement.get(n) or {"compared": 0, "exact": 0, "prefix_share": [], "prefix_tokens": []}
-            a["shadow"] = {"in_flight": a.pop("in_flight"),
-                           **{key.split("|", 1)[1]: v for key, v in shadow.items() if key.split("|", 1)[0] == n},
-                           "agreement": {"compared": ag["compared"], "exact": ag["exact"],
-                                         "exact_rate": round(ag["exact"] / ag["compared"], 4) if ag["compared"]
-                                         else None,
-                                         "common_prefix_share": summary(ag["prefix_share"]),
-                                         "common_prefix_tokens": summary(ag["prefix_tokens"])}}
-        else:
-            a.pop("in_flight", None)
-    names = [a["name"] for a in snap["arms"]]
-    klasses = sorted({key.split("|", 1)[1] for key in classes}, key=lambda k: (k != ALL, k))
-    comparisons = []
-    for other in names[1:]:
-        for k in klasses:
-            ca, cb = classes.get(f"{names[0]}|{k}"), classes.get(f"{other}|{k}")
-            for m in METRICS:
-                sa = ca["samples"][m] if ca else []
-                sb = cb["samples"][m] if cb else []
-                if not sa and not sb:
-                    continue
-                c = compare(k, m, names[0], sa, other, sb)
-                c["summary"] = describe(c)
-                comparisons.append(c)
-    snap["comparisons"] = comparisons
-    return snap
+def _stops(arm: str, parts: list[dict]) -> dict | None:
+    """The error guard's stop of `arm` in this process or, if none, the first in another, with how many of the
+    processes stopped it (each judges its own requests); None when none did."""
+    stops = []
+    for part in parts:
+        g = part.get("guard")
+        stop = shared_stop(g.get(arm)) if isinstance(g, dict) else None
+        if stop is not None:
+            stops.append(stop)
+    return {**stops[0], "processes": len(stops)} if stops else None
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -357,29 +387,46 @@ def _renewed(old: Experiment, cfg: ExperimentConfig) -> Experiment:
     return x
 
 
-def enter(xs: Experiments, st: RequestState, shape: RequestShape, body: Mapping[str, Any],
-          headers: Mapping[str, str], candidates: list[BackendState]) -> tuple[list[BackendState], Arm | None]:
-    """A request of a model under experiment: its candidates (shadow arms never serve), the split arm it is
-    assigned to (None: routed as usual) and, on `st`, the experiments it takes part in."""
+class Choice:
+    """What the experiments decide for one request: its candidates (shadow arms never serve), the split arm it is
+    assigned to (None: routed as usual) and the experiments it takes part in (the pipeline keeps them)."""
+
+    __slots__ = ("candidates", "arm", "split", "shadow")
+
+    def __init__(self, candidates: list[BackendState], arm: Arm | None, split: Experiment | None,
+                 shadow: tuple[Experiment, Arm] | None) -> None:
+        self.candidates = candidates
+        self.arm = arm
+        self.split = split  # the split experiment whose arms serve the request
+        self.shadow = shadow  # the shadow experiment and the arm a copy may go to
+
+
+def enter(xs: Experiments, caller: Caller | None, shape: RequestShape, body: Mapping[str, Any],
+          headers: Mapping[str, str], candidates: list[BackendState]) -> Choice:
+    """A request of a model under experiment, from `caller`: what the experiments decide for it."""
     model = shape.model
     pin = headers.get(ARM_HEADER)
-    if pin is not None and not (st.principal is not None and st.principal.admin):
+    # With auth off every request is the same anonymous caller: no key of its own to keep it on one arm.
+    key = shape.principal if caller is not ANONYMOUS else None
+    if pin is not None and not (caller is not None and caller.admin):
         raise GatewayError(403, f"Pinning an experiment arm ({ARM_HEADER}) needs an admin key.",
                            type="permission_error", param=ARM_HEADER, code="permission_denied")
-    arm = None
+    arm: Arm | None = None
+    split: Experiment | None = None
+    shadow: tuple[Experiment, Arm] | None = None
     x = xs.shadow.get(model)
     if x is not None:
         candidates = [b for b in candidates if b.id not in x.shadow_backends]
         if x.enabled:
-            st.shadow = x, _pinned(x, pin) or x.assign(x.subject_of(shape.principal, shape.session_id, body, headers))
+            shadow = x, _pinned(x, pin) or x.assign(x.subject_of(key, shape.session_id, body, headers))
     x = xs.split.get(model)
     if x is not None and x.enabled:
-        st.split = x
-        arm = _pinned(x, pin) or x.assign(x.subject_of(shape.principal, shape.session_id, body, headers))
+        split = x
+        arm = _pinned(x, pin) or x.assign(x.subject_of(key, shape.session_id, body, headers))
     if pin is not None and not any(e is not None and e.arm(pin) for e in (xs.split.get(model), xs.shadow.get(model))):
         raise bad_request(f"No experiment of model {model!r} has an arm named {pin[:64]!r}.", param=ARM_HEADER,
                           code="unknown_arm")
-    return candidates, arm
+    return Choice(candidates, arm, split, shadow)
 
 
 def _pinned(x: Experiment, pin: str | None) -> Arm | None:

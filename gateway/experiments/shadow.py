@@ -6,23 +6,45 @@ import asyncio
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from gateway.config import GatewayConfig
-from gateway.contracts import (CLIENT_ERROR, ENGINE_ERROR, OK, PATHS, Outcome, RequestShape, RouteInput,
-                               UpstreamCall)
+from gateway.config import GatewayConfig, UpstreamConfig
+from gateway.contracts import (ENGINE_ERROR, PATHS, Outcome, Policy, RequestShape, RouteInput, UpstreamCall,
+                               UpstreamReply)
+from gateway.errors import upstream_failed, upstream_timeout
 from gateway.experiments.experiment import PRIMARY, Arm, Experiment
-from gateway.routing.relay import usage_of
+from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, request_at_fault, stream_status
+from gateway.routing.failover import TRANSPORT_ERRORS
+from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import RequestState
 
 if TYPE_CHECKING:
-    from gateway.fleet.pool import BackendState
-    from gateway.runtime import Gateway
+    from gateway.fleet.pool import BackendState, Pool
+    from gateway.observe.metrics import Metrics
 
 log = logging.getLogger("shapegate.shadow")
 MAX_TAP_BYTES = 1 << 20  # the primary's reply kept for comparing outputs; a longer one is not compared
+
+
+class Host(Protocol):
+    """What a shadow copy needs of the gateway that sends it (gateway/runtime.py's Gateway)."""
+
+    @property
+    def cfg(self) -> GatewayConfig: ...
+
+    @property
+    def pool(self) -> Pool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def shadow_tasks(self) -> set[asyncio.Task[None]]:
+        """The copies in flight: cancelled at shutdown."""
+
+    def policy_for(self, model: str) -> Policy: ...
 
 
 class Tap:
@@ -44,6 +66,11 @@ class Tap:
             else:
                 self.chunks.append(data)
 
+    def close(self, primary: Outcome | None) -> None:
+        """The client's request ended, `primary` its last attempt: the copy's comparison may start."""
+        if not self.done.done():
+            self.done.set_result(primary)
+
 
 def deterministic(body: dict[str, Any]) -> bool:
     """Greedy decoding of one choice: the only case where two engines are expected to say the same."""
@@ -52,7 +79,7 @@ def deterministic(body: dict[str, Any]) -> bool:
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0 and n in (None, 1)
 
 
-def launch(g: Gateway, x: Experiment, arm: Arm, st: RequestState, shape: RequestShape, body: dict,
+def launch(g: Host, x: Experiment, arm: Arm, st: RequestState, shape: RequestShape, body: dict,
            raw: bytes) -> Tap | None:
     """Send a copy of this request to `arm` when the experiment samples it and the arm has room; never waits.
 
@@ -86,7 +113,7 @@ def launch(g: Gateway, x: Experiment, arm: Arm, st: RequestState, shape: Request
     return tap
 
 
-def _skip(g: Gateway, x: Experiment, arm: Arm, why: str) -> Tap | None:
+def _skip(g: Host, x: Experiment, arm: Arm, why: str) -> Tap | None:
     """No copy: counted with the reason."""
     x.count_shadow(arm.name, why)
     g.metrics.shadow(x.name, arm.name, why)
@@ -99,16 +126,15 @@ def _saturated(b, now: float) -> bool:
     return load is not None and load.waiting > 0
 
 
-async def _copy(g: Gateway, x: Experiment, arm: Arm, b: BackendState, st: RequestState, shape: RequestShape,
+async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestState, shape: RequestShape,
                 body: dict, raw: bytes, tap: Tap) -> None:
     cfg = g.cfg
     fwd = {"x-request-id": f"{st.request_id}.shadow", "x-shapegate-shadow": x.name}
-    o = None
-    text, tokens = "", None
+    data = b""  # the copy's reply, compared with the primary's
     try:
         upstream_body = b.adapter.prepare(shape.route, body, raw, b.models[shape.model], shape.stream)
         call = UpstreamCall(PATHS[shape.route], upstream_body, fwd, shape.stream)
-        o, text, tokens = await _measure(b, call, shape, cfg)
+        o, data = await _measure(b, call, shape, cfg.upstream)
     except asyncio.CancelledError:
         tap.full = True  # shutting down: nothing to compare
         raise
@@ -133,52 +159,87 @@ async def _copy(g: Gateway, x: Experiment, arm: Arm, b: BackendState, st: Reques
     g.metrics.experiment(x.name, PRIMARY, shape.klass, primary)
     if o.ok and primary.ok and not tap.full and deterministic(body):
         p_text, p_tokens = _output(b"".join(tap.chunks), shape.stream)
+        text, tokens = _output(data, shape.stream)
         x.agreement[arm.name].add(p_text, text, p_tokens, tokens)
         g.metrics.agreement(x.name, arm.name, p_text == text)
 
 
 async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
-                   cfg: GatewayConfig) -> tuple[Outcome, str, list[str] | None]:
-    """One timed call: the candidate's TTFT, ITL and e2e as the gateway measures a served request's."""
+                   up: UpstreamConfig) -> tuple[Outcome, bytes]:
+    """One timed call, measured as a client's attempt is (gateway/routing/attempt.py): the candidate's TTFT, ITL
+    and e2e, and the reply's bytes for the comparison of outputs."""
     t0 = time.perf_counter()
-    reply = await b.adapter.forward(call, cfg.upstream.first_byte_timeout_s)
+    first_by = asyncio.get_running_loop().time() + up.first_byte_timeout_s if shape.stream else 0.0
+    reply = await b.adapter.forward(call, up.first_byte_timeout_s)
+    status, served, answered, data = reply.status, False, False, b""
+    meter: StreamMeter | None = None
+    usage: dict | None = None
     try:
-        if reply.status >= 400:
-            await reply.read(cfg.upstream.max_error_bytes, truncate=True)
-            result = ENGINE_ERROR if reply.status >= 500 or reply.status == 429 else CLIENT_ERROR
-            return Outcome(b.id, shape, False, reply.status, e2e=time.perf_counter() - t0, result=result), "", None
-        if not shape.stream:
-            data = await reply.read(cfg.upstream.max_reply_bytes)
-            e2e = time.perf_counter() - t0
-            text, _ = _output(data, False)
-            usage = usage_of(data) or {}
-            return Outcome(b.id, shape, True, 200, e2e=e2e, prompt_tokens=usage.get("prompt_tokens", 0),
-                           completion_tokens=usage.get("completion_tokens", 0)), text, None
-        chunks, size, t_first, t_last, first_bytes = [], 0, None, None, True
-        async for chunk in reply.iter_chunks():
-            now = time.perf_counter()
-            if first_bytes:
-                t_first, first_bytes = now, False
-            if b'"content"' in chunk or b'"text"' in chunk:
-                t_last = now
-            size += len(chunk)
-            if size > cfg.upstream.max_reply_bytes:
-                raise ValueError("shadow reply over the reply limit")
-            chunks.append(chunk)
-        e2e = time.perf_counter() - t0
-        data = b"".join(chunks)
-        text, tokens = _output(data, True)
-        usage = usage_of(data) or {}
-        n = usage.get("completion_tokens") or len(tokens or ())
-        itl = (t_last - t_first) / (n - 1) if t_first is not None and t_last is not None and n > 1 else None
-        # Served: output began and no error event came (llama.cpp may end a stream without [DONE]).
-        ok = t_first is not None and b'data: {"error"' not in data and b'data:{"error"' not in data
-        return Outcome(b.id, shape, ok, 200 if ok else 502, ttft=(t_first - t0) if t_first else None, itl=itl,
-                       e2e=e2e, prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=n,
-                       result=OK if ok else ENGINE_ERROR), text, tokens
+        if status >= 400:
+            await reply.read(up.max_error_bytes, truncate=True)
+            answered = request_at_fault(status)
+        elif not shape.stream:
+            data = await reply.read(up.max_reply_bytes)
+            served = bool(data) or status == 204  # a success with nothing in it answers nothing
+            if served:
+                usage = usage_of(data)
+            else:
+                status = 502
+        else:
+            first = await reply.next_chunk(first_by)
+            if first is None or reply.broken:
+                status = 502
+            elif first.startswith(ERROR_EVENT_STARTS):  # an engine that validates after opening the stream
+                err = first_event_error(first)
+                status = err.status if err is not None else 502
+                answered = err is not None and status < 500
+            else:
+                meter = StreamMeter()
+                data = await _relay(reply, first, meter, shape.model, up.max_reply_bytes)
+                usage = meter.usage
+                status = stream_status(meter)
+                served = status == 200
     finally:
         reply.close()
+    return measured(b.id, shape, t0, status, served, answered, False, meter, usage), data
 
+
+class _Unsent:
+    """Where a copy's relayed stream goes: nowhere (the relay only measures it)."""
+
+    writable = False
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        pass
+
+
+async def _relay(reply: UpstreamReply, first: bytes, meter: StreamMeter, model: str, limit: int) -> bytes:
+    """A copy's stream through the relay a client's goes through, for its meter; the bytes as the engine sent them."""
+    relay = SSERelay(_Unsent(), meter, strip_usage=False, rename=ModelRewrite(model))
+    chunks: list[bytes] = []
+    size = 0
+    chunk: bytes | None = first
+    try:
+        while chunk is not None:
+            size += len(chunk)
+            if size > limit:
+                raise ValueError("shadow reply over the reply limit")
+            chunks.append(chunk)
+            await relay.feed(chunk)
+            try:
+                chunk = await reply.next_chunk()
+            except TRANSPORT_ERRORS as e:
+                await relay.fail(upstream_timeout("the engine stalled mid-stream") if isinstance(e, TimeoutError)
+                                 else upstream_failed("the engine stopped mid-stream"))
+                return b"".join(chunks)
+    except EventTooLarge as e:
+        await relay.fail(upstream_failed(str(e)))
+        return b"".join(chunks)
+    await relay.finish()
+    return b"".join(chunks)
 
 
 def _output(data: bytes, stream: bool) -> tuple[str, list[str] | None]:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.experiments.experiment import Experiments
-from gateway.stats.share import REDIS_KEEP_S, Sharing
+from gateway.config_experiments import weight_problem
+from gateway.experiments.experiment import Experiment, Experiments, check_change
+from gateway.experiments.verdict import METRICS
+from gateway.stats.share import REDIS_KEEP_S, Sharing, wall_time
 
 log = logging.getLogger("shapegate.experiments")
 CONTROL_S = 0.5  # a change made on one process is adopted by the others within this (plus one Redis call)
@@ -19,6 +22,9 @@ SAMPLES_S = 3.0  # how often each process publishes its experiment samples (read
 SAMPLES_STALE_S = 15.0  # a process that stopped publishing this long ago is left out of the verdicts
 SHARED_SAMPLES = 400  # per arm, class and metric: what one process publishes of its own bounded sample
 CONTROL_FILE = "experiments.control.json"
+MAX_VERSION = 2 ** 53  # versions count changes (or are a time in ms): one above this is no version
+MAX_COUNT = 2 ** 53  # requests, errors or comparisons one process counted: one above this is no count
+MAX_KEYS = 1024  # (arm, class) pairs, shadow results or arms in one process's samples: more is not a gateway's
 
 
 class ExperimentShare:
@@ -34,6 +40,7 @@ class ExperimentShare:
         self.me = f"{sharing.replica}/{sharing.worker}"
         self.others: dict[str, dict] = {}  # process -> its last published samples (fresh ones)
         self.errors = 0
+        self._refused: dict[str, str] = {}  # what was left out, and why (each logged once, not every round)
 
     @property
     def active(self) -> bool:
@@ -80,11 +87,29 @@ class ExperimentShare:
             rows = await self._redis(self.client.hgetall(self._control_key))
             if rows:
                 found.append({_text(k): _loads(v) for k, v in rows.items()})
+        now, refused = time.time(), {}
         for controls in found:
             for name, control in controls.items():
                 x = xs.by_name.get(name)
-                if x is not None and isinstance(control, dict) and x.adopt(control):
-                    log.info("experiment %s changed by another process: %s", name, x.control())
+                if x is None:
+                    continue
+                why = control_problem(x, control, now)
+                if why is not None:
+                    refused[f"control of {name!r}"] = why
+                    continue
+                try:
+                    if x.adopt(control):
+                        log.info("experiment %s changed by another process: %s", name, x.control())
+                except Exception:  # a value no check foresaw: this change is lost, never the others nor the loop
+                    log.exception("experiment %s: another process's change not taken", name)
+        self._note_refused(refused, "control")
+
+    def _note_refused(self, refused: dict[str, str], kind: str) -> None:
+        """Log what is left out once (the same entries are read again every round), not once a round."""
+        for what, why in refused.items():
+            if self._refused.get(what) != why:
+                log.warning("ignoring the experiment %s in the shared state: %s", what, why)
+        self._refused = {k: v for k, v in self._refused.items() if not k.startswith(kind)} | refused
 
     # -- samples -----------------------------------------------------------------------------------------
     async def exchange_samples(self, xs: Experiments) -> None:
@@ -106,11 +131,18 @@ class ExperimentShare:
                 p.pexpire(self._samples_key, int(REDIS_KEEP_S * 1000))
                 p.hgetall(self._samples_key)
                 res = await self._redis(p.execute())
+            refused = {}
             for k, v in (res[2] if res else {}).items():
                 k = _text(k)
                 data = _loads(v)
-                if k != self.me and _fresh(data, now):
+                if k == self.me or not _fresh(data, now):
+                    continue
+                why = samples_problem(data)
+                if why is None:
                     others[k] = data
+                else:
+                    refused[f"samples of {k!r}"] = why
+            self._note_refused(refused, "samples")
         self.others = others
 
     def remote_samples(self, name: str) -> list[dict]:
@@ -145,10 +177,13 @@ async def share_loop(share: ExperimentShare, experiments, stop: asyncio.Event) -
             xs = experiments()
             if not xs:
                 continue
-            await share.adopt(xs)
-            if time.monotonic() - last_samples >= SAMPLES_S:
-                last_samples = time.monotonic()
-                await share.exchange_samples(xs)
+            try:
+                await share.adopt(xs)
+                if time.monotonic() - last_samples >= SAMPLES_S:
+                    last_samples = time.monotonic()
+                    await share.exchange_samples(xs)
+            except Exception:  # a bug, or a value no check foresaw: this round is lost, never the sharing
+                log.exception("experiment sharing round failed")
     finally:
         await share.close()
 
@@ -190,5 +225,64 @@ def _text(k) -> str:
 
 
 def _fresh(data, now: float) -> bool:
-    return isinstance(data, dict) and isinstance(data.get("taken_at"), (int, float)) \
-        and now - data["taken_at"] <= SAMPLES_STALE_S
+    return isinstance(data, dict) and wall_time(data.get("taken_at"), now, SAMPLES_STALE_S) is not None
+
+
+def control_problem(x: Experiment, control: object, now_wall: float) -> str | None:
+    """Why another process's control state of `x` must not be adopted (None: it may), checked whole before
+    anything of it is applied: a version, weights of its arms from 0 to MAX_WEIGHT, a time it changed at."""
+    if not isinstance(control, dict):
+        return "not an object"
+    v = control.get("version")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION:
+        return f"a version of {v!r}"
+    changed_at = control.get("changed_at")
+    if changed_at is not None and wall_time(changed_at, now_wall) is None:
+        return f"changed at {changed_at!r}, not a time of the past"
+    weights = control.get("weights")
+    if isinstance(weights, dict):
+        for name, w in weights.items():
+            why = weight_problem(str(name), w)
+            if why is not None:
+                return why
+    return check_change(x, control)
+
+
+def _counts(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_COUNT
+
+
+def _figures(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= SHARED_SAMPLES and all(
+        not isinstance(f, bool) and isinstance(f, (int, float)) and 0 <= f < math.inf for f in v)
+
+
+def _keyed(v: object, pairs: bool) -> bool:
+    return isinstance(v, dict) and len(v) <= MAX_KEYS and all(
+        isinstance(k, str) and (not pairs or "|" in k) for k in v)
+
+
+def samples_problem(data: dict) -> str | None:
+    """Why another process's experiment samples cannot go into the verdicts (None: they can): each experiment's
+    counts, and figures of at most SHARED_SAMPLES finite numbers >= 0, as Experiment.shared_samples writes."""
+    xs = data.get("experiments")
+    if not _keyed(xs, pairs=False):
+        return "no experiments"
+    for name, x in xs.items():
+        if not isinstance(x, dict):
+            return f"{name[:64]!r}: not an object"
+        classes, shadow, agreement = x.get("classes") or {}, x.get("shadow") or {}, x.get("agreement") or {}
+        if not (_keyed(classes, pairs=True) and _keyed(shadow, pairs=True) and _keyed(agreement, pairs=False)):
+            return f"{name[:64]!r}: malformed classes, shadow or agreement"
+        for c in classes.values():
+            if not (isinstance(c, dict) and _counts(c.get("requests", 0)) and _counts(c.get("errors", 0))
+                    and isinstance(c.get("samples") or {}, dict)
+                    and all(_figures((c.get("samples") or {}).get(m, [])) for m in METRICS)):
+                return f"{name[:64]!r}: malformed class samples"
+        if not all(_counts(n) for n in shadow.values()):
+            return f"{name[:64]!r}: malformed shadow counts"
+        for a in agreement.values():
+            if not (isinstance(a, dict) and _counts(a.get("compared", 0)) and _counts(a.get("exact", 0))
+                    and _figures(a.get("prefix_share", [])) and _figures(a.get("prefix_tokens", []))):
+                return f"{name[:64]!r}: malformed agreement"
+    return None

@@ -1,11 +1,11 @@
-"""A/B verdicts between two arms of engines on live traffic: bootstrap CI of the ratio, measured noise floor."""
+"""A/B verdicts between two arms of engines on live traffic: bootstrap CIs, A/A noise floor, practical margin."""
 
 from __future__ import annotations
 
 import math
 import random
 import zlib
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -13,6 +13,12 @@ METRICS = ("ttft", "itl", "e2e", "output_tps", "error_rate")
 LOWER_IS_BETTER = {"ttft", "itl", "e2e", "error_rate"}
 HIGHER_IS_BETTER = {"output_tps"}
 NAMES = {"ttft": "TTFT", "itl": "ITL", "e2e": "e2e", "output_tps": "output tok/s", "error_rate": "error rate"}
+STATS = ("mean", "p50", "p99")  # what a verdict compares: the means, or a quantile of each arm
+QUANTILES = {"p50": 0.5, "p99": 0.99}
+# A quantile's verdict waits for this many samples beyond it in each arm (1,000 for a p99): below that the
+# tail is a handful of values and its bootstrap says more about them than about the arm.
+TAIL_POINTS = 10
+MARGIN = 0.05  # the practical margin by default: smaller differences are no difference, however certain
 
 # Resamples and A/A splits are drawn this many values at a time: the buffers stay at 1 MB whatever the arm
 # size, small enough to stay in cache and large enough to amortise numpy's per-call overhead.
@@ -106,13 +112,14 @@ def _bootstrap(x: np.ndarray, resamples: int, rng: np.random.Generator, floor: f
     return _centre(sums, n, floor)
 
 
-def _aa(x: np.ndarray, repeats: int, rng: np.random.Generator, rate: bool) -> np.ndarray:
-    """|log(mean(h1) / mean(h2))| over `repeats` random splits of x into two equal halves: how far the ratio
-    strays from 1 when both sides are the same arm. A split with one half at mean 0 counts as infinitely noisy."""
+def _aa(x: np.ndarray, repeats: int, rng: np.random.Generator, of_rows: Callable[[np.ndarray], np.ndarray]) \
+        -> np.ndarray:
+    """|log(s(h1) / s(h2))| over `repeats` random splits of x into two equal halves, s the compared statistic
+    (`of_rows` takes it of each row of a block): how far the ratio strays from 1 when both sides are the same
+    arm. A split with one half at 0 counts as infinitely noisy."""
     m = len(x) // 2
     if m == 0:
         return np.empty(0)
-    floor = _floor(m, m) if rate else 0.0
     rows = max(1, min(repeats, _CHUNK // len(x)))
     buf = np.empty((rows, len(x)))
     out = np.empty(repeats)
@@ -121,101 +128,174 @@ def _aa(x: np.ndarray, repeats: int, rng: np.random.Generator, rate: bool) -> np
         shuffled = buf[:k]
         shuffled[:] = x
         rng.permuted(shuffled, axis=1, out=shuffled)
-        h1 = _centre(shuffled[:, :m].sum(axis=1), m, floor)
-        h2 = _centre(shuffled[:, m:2 * m].sum(axis=1), m, floor)
+        h1, h2 = of_rows(shuffled[:, :m]), of_rows(shuffled[:, m:2 * m])
         with np.errstate(divide="ignore", invalid="ignore"):
             out[start:start + k] = np.where(h1 == h2, 0.0, np.abs(np.log(h1 / h2)))  # 0 == 0 is no noise
     out[~np.isfinite(out)] = np.inf
     return out
 
 
-def _seed(klass: str, metric: str, a: str, b: str) -> int:
+def _mean_rows(rate: bool) -> Callable[[np.ndarray], np.ndarray]:
+    """The mean of each row of a block of A/A halves (an error rate's with its floor at the halves' scale)."""
+    def means(h: np.ndarray) -> np.ndarray:
+        m = h.shape[1]
+        return _centre(h.sum(axis=1), m, _floor(m, m) if rate else 0.0)
+    return means
+
+
+def _quantile_rows(q: float) -> Callable[[np.ndarray], np.ndarray]:
+    """The q-quantile of each row of a block of A/A halves."""
+    return lambda h: np.quantile(h, q, axis=1)
+
+
+def _bootstrap_quantile(x_sorted: np.ndarray, q: float, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """The q-quantile (numpy's default, linear between order statistics) of `resamples` resamples of x with
+    replacement, drawn exactly in O(resamples) rather than O(resamples * n).
+
+    A resample is n indices floor(n * U), U uniform; floor is monotone, so its (k+1)-th smallest value is
+    x_sorted[floor(n * U_(k+1))], and the (k+1)-th smallest of n uniforms is Beta(k+1, n-k). The next one up
+    is the smallest of the n-k-1 uniforms above it: U_(k+2) = U_(k+1) + (1 - U_(k+1)) * Beta(1, n-k-1).
+    """
+    n = len(x_sorted)
+    h = (n - 1) * q
+    k = int(math.floor(h))
+    frac = h - k
+    u = rng.beta(k + 1, n - k, size=resamples)
+    low = x_sorted[np.minimum((u * n).astype(np.intp), n - 1)]
+    if frac == 0 or k + 1 >= n:
+        return low
+    u = u + (1 - u) * rng.beta(1, n - k - 1, size=resamples)
+    return low + frac * (x_sorted[np.minimum((u * n).astype(np.intp), n - 1)] - low)
+
+
+def _seed(klass: str, metric: str, a: str, b: str, stat: str) -> int:
     # Python's hash() of a str changes from process to process; the same data must give the same verdict on
-    # every worker and after every restart.
-    return zlib.crc32("\0".join((klass, metric, a, b)).encode())
+    # every worker and after every restart. (The mean's seed is the one it had before quantiles came.)
+    return zlib.crc32("\0".join((klass, metric, a, b) if stat == "mean" else (klass, metric, a, b, stat)).encode())
 
 
-def _needed(n: int, gap: float, lo: float, hi: float, noise: float, margin: float) -> int | None:
+def _needed(n: int, gap: float, lo: float, hi: float, noise: float, matters: float) -> int | None:
     """More samples per arm until the point estimate, if it held, would reach a verdict.
 
-    All in logs, where the margins are symmetric and swapping the arms only flips signs. The CI's half-width
-    and the measured noise floor both shrink as 1/sqrt(n); the equivalence margin does not. A difference needs
-    both below the gap; no_difference needs the gap plus the half-width inside the margin. Whichever asks the
-    smaller shrink factor s sets the estimate: n / s**2 samples in all.
+    Asked only of a gap beyond the practical margin (a smaller one is no_difference already), which stays what
+    it is as samples come: a difference then needs the whole CI beyond the margin and the gap beyond the noise
+    floor. The CI's half-width and the floor shrink as 1/sqrt(n), the margin does not. In logs, where swapping
+    the arms only flips signs; with s the shrink factor that asks, n / s**2 samples in all.
     """
     half = (math.log(hi) - math.log(lo)) / 2 if lo > 0 else 0.0
-    if half <= 0:
+    if half <= 0 or gap <= matters:
         return None
-    shrink = gap / max(half, noise)
-    if gap < margin:
-        shrink = max(shrink, (margin - gap) / half)
-    if shrink <= 0:
+    shrink = min((gap - matters) / half, gap / noise if noise > 0 else math.inf)
+    if not 0 < shrink < 1:
         return None
     return max(1, math.ceil(n * (1 / shrink ** 2 - 1)))
 
 
+def stats_of(metric: str) -> tuple[str, ...]:
+    """What verdicts compare for `metric`: a latency's mean, median and tail; output tok/s's mean and median
+    (its 99th percentile is its fastest requests, no tail anyone waits on); the mean alone of 0/1 error samples."""
+    if metric == "error_rate":
+        return ("mean",)
+    return ("mean", "p50") if metric in HIGHER_IS_BETTER else STATS
+
+
+def min_samples_of(stat: str, min_samples: int) -> int:
+    """Samples an arm needs before a verdict on `stat`: `min_samples`, and TAIL_POINTS beyond a quantile."""
+    q = QUANTILES.get(stat)
+    return min_samples if q is None else max(min_samples, math.ceil(TAIL_POINTS / min(q, 1 - q) - 1e-9))
+
+
 def compare(klass: str, metric: str, a: str, a_samples: Iterable[float], b: str, b_samples: Iterable[float], *,
-            resamples: int = 1000, aa_repeats: int = 100, min_samples: int = 30, equivalence: float = 0.05,
-            seed: int | None = None) -> dict:
-    """Verdict on arm b against arm a for one request class and metric; JSON-ready, never NaN or inf.
+            stat: str = "mean", resamples: int = 1000, aa_repeats: int = 100, min_samples: int = 30,
+            margin: float = MARGIN, seed: int | None = None) -> dict:
+    """Verdict on arm b against arm a for one request class, metric and statistic; JSON-ready, never NaN or inf.
 
-    ratio = mean_b / mean_a with a 95 % percentile-bootstrap CI. The noise floor is measured by A/A splits:
-    each arm's samples are cut into two random halves `aa_repeats` times, and the floor is the 95th percentile
-    of |mean(h1)/mean(h2)| - 1 (the larger half over the smaller) pooled over both arms. That is conservative:
-    a half holds n/2 samples, so the A/A ratio varies about sqrt(2) times as much as the A/B ratio of two
-    whole arms of n samples would if the arms were the same.
+    ratio = s_b / s_a, s the mean or a quantile (`stat`), with a 95 % percentile-bootstrap CI. The noise floor
+    is measured by A/A splits: each arm's samples are cut into two random halves `aa_repeats` times, and the
+    floor is the 95th percentile of |s(h1)/s(h2)| - 1 (the larger half over the smaller) pooled over both arms.
+    That is conservative: a half holds n/2 samples, so the A/A ratio varies about sqrt(2) times as much as the
+    A/B ratio of two whole arms of n samples would if the arms were the same. The floor is measured inside one
+    arm, so it cannot see what sets two engine processes apart with nothing changed (a few %): `margin`, the
+    smallest difference that matters, covers that.
 
-    Verdicts: a difference needs the CI to exclude 1 and the ratio outside [1/(1+f), 1+f], f the noise floor;
-    "no_difference" needs the whole CI inside [1/(1+d), 1+d], d = max(f, equivalence); anything else (or fewer
-    than `min_samples` in an arm) is "insufficient_data" with an estimate of the samples still `needed` per arm.
+    Verdicts: a difference needs the whole CI outside [1/(1+m), 1+m], m the margin, and the ratio outside
+    [1/(1+f), 1+f], f the noise floor: a team is never told "better" of a difference that may be smaller than
+    the one it counts as one. "no_difference" is a ratio inside [1/(1+m), 1+m] however tight its CI, or a whole
+    CI inside [1/(1+d), 1+d], d = max(f, m). Anything else (or fewer samples in an arm than `min_samples`, and
+    than TAIL_POINTS beyond a quantile) is "insufficient_data" with an estimate of the samples still `needed`
+    per arm.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; expected one of {METRICS}")
+    if stat not in stats_of(metric):
+        raise ValueError(f"unknown statistic {stat!r} for {metric}; expected one of {stats_of(metric)}")
     if a == b:
         raise ValueError("the two arms must have different names")
+    if not 0 <= margin < 1:
+        raise ValueError("margin must be within [0, 1)")
     xa, xb = _clean(a_samples), _clean(b_samples)
     na, nb = len(xa), len(xb)
     rate = metric == "error_rate"
-    rng = np.random.default_rng(_seed(klass, metric, a, b) if seed is None else seed)
+    q = QUANTILES.get(stat)
+    rng = np.random.default_rng(_seed(klass, metric, a, b, stat) if seed is None else seed)
 
     ratio = lo = hi = noise = None
+    sa = sb = None
     if na and nb:
         floor = _floor(na, nb) if rate else 0.0
-        ma, mb = _centre(xa.sum(), na, floor), _centre(xb.sum(), nb, floor)
-        if ma > 0 and mb >= 0:
-            ratio = float(mb / ma)
-            boot_a, boot_b = _bootstrap(xa, resamples, rng, floor), _bootstrap(xb, resamples, rng, floor)
+        if q is None:
+            sa, sb = float(_centre(xa.sum(), na, floor)), float(_centre(xb.sum(), nb, floor))
+        else:
+            xa, xb = np.sort(xa), np.sort(xb)
+            sa, sb = float(np.quantile(xa, q)), float(np.quantile(xb, q))
+        if sa > 0 and sb >= 0:
+            ratio = sb / sa
+            if q is None:
+                boot_a, boot_b = _bootstrap(xa, resamples, rng, floor), _bootstrap(xb, resamples, rng, floor)
+                of_rows = _mean_rows(rate)
+            else:
+                boot_a = _bootstrap_quantile(xa, q, resamples, rng)
+                boot_b = _bootstrap_quantile(xb, q, resamples, rng)
+                of_rows = _quantile_rows(q)
             with np.errstate(divide="ignore", invalid="ignore"):
                 lo, hi = (float(v) for v in np.percentile(boot_b / boot_a, [2.5, 97.5]))
-            aa = np.concatenate([_aa(xa, aa_repeats, rng, rate), _aa(xb, aa_repeats, rng, rate)])
+            aa = np.concatenate([_aa(xa, aa_repeats, rng, of_rows), _aa(xb, aa_repeats, rng, of_rows)])
             if len(aa):
                 noise = float(np.quantile(aa, 0.95, method="higher"))  # in logs until reported
     # A resample whose denominator is 0 makes its ratio inf or NaN; such an interval says nothing.
     lo, hi, noise = (v if v is not None and math.isfinite(v) else None for v in (lo, hi, noise))
 
     needed = None
-    if min(na, nb) < min_samples:
-        verdict, needed = "insufficient_data", min_samples - min(na, nb)
+    need = min_samples_of(stat, min_samples)
+    if min(na, nb) < need:
+        verdict, needed = "insufficient_data", need - min(na, nb)
     elif ratio is None or lo is None or hi is None or noise is None:
         verdict = "insufficient_data"
     else:
         gap = abs(math.log(ratio)) if ratio > 0 else math.inf
-        band = max(noise, math.log1p(equivalence))  # log(1 + d)
-        if (lo > 1 or hi < 1) and gap > noise:
+        matters = math.log1p(margin)  # log(1 + m)
+        band = max(noise, matters)
+        # How far the CI's end nearest to 1 lies from it (0 when the CI holds 1).
+        near = math.log(lo) if lo > 1 else (-math.log(hi) if hi > 0 else math.inf) if hi < 1 else 0.0
+        if near > matters and gap > noise:
             verdict = "b_better" if (ratio < 1) == (metric in LOWER_IS_BETTER) else "a_better"
-        elif lo > 0 and -band <= math.log(lo) and math.log(hi) <= band:
+        elif gap <= matters or (lo > 0 and -band <= math.log(lo) and math.log(hi) <= band):
             verdict = "no_difference"
         else:
             verdict = "insufficient_data"
-            needed = _needed(min(na, nb), gap, lo, hi, noise, math.log1p(equivalence))
+            needed = _needed(min(na, nb), gap, lo, hi, noise, matters)
 
     return {
-        "class": klass, "metric": metric, "arms": [a, b],
+        "class": klass, "metric": metric, "stat": stat, "arms": [a, b],
         "n": {a: na, b: nb},
         # The observed means, without the error-rate floor: an arm without errors reads 0.
         "mean": {a: _fig(xa.mean()) if na else None, b: _fig(xb.mean()) if nb else None},
+        # The compared statistic of each arm, as observed (a quantile's own value, else the mean again).
+        "value": {a: _fig(sa if q is not None else xa.mean()) if na else None,
+                  b: _fig(sb if q is not None else xb.mean()) if nb else None},
         "ratio": _fig(ratio), "ci_low": _fig(lo), "ci_high": _fig(hi),
         "noise_floor": _fig(math.expm1(noise)) if noise is not None else None,
+        "margin": margin,
         "verdict": verdict, "needed": needed,
         "better_is": "lower" if metric in LOWER_IS_BETTER else "higher",
     }
@@ -225,9 +305,15 @@ def _pct(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 2 else f"{v:.1f}"
 
 
+def _name(c: dict) -> str:
+    name = NAMES.get(c["metric"], c["metric"])
+    stat = c.get("stat", "mean")
+    return name if stat == "mean" else f"{name} {stat}"
+
+
 def describe(c: dict) -> str:
     """One plain sentence for a compare() result."""
-    name, klass = NAMES.get(c["metric"], c["metric"]), c["class"]
+    name, klass = _name(c), c["class"]
     a, b = c["arms"]
     if c["verdict"] in ("a_better", "b_better"):
         # Speak of the winner against the loser: winner/loser = ratio when b wins, 1/ratio when a wins.
@@ -241,6 +327,12 @@ def describe(c: dict) -> str:
         return (f"arm {winner}: {name} {_pct(abs(r - 1) * 100)} % {word} "
                 f"(95 % CI {_pct(near)}-{_pct(far)} %) than {loser} on {klass}")
     if c["verdict"] == "no_difference":
+        r, lo, hi = c["ratio"], c["ci_low"], c["ci_high"]
+        if r and lo is not None and hi is not None and (lo > 1 or hi < 1) and c.get("margin"):
+            # A real difference, as far as the data goes, but under what the experiment counts as one.
+            word = "lower" if r < 1 else "higher"
+            return (f"{name} on {klass}: no difference that matters (arm {b} {_pct(abs(r - 1) * 100)} % {word}, "
+                    f"within the {_pct(c['margin'] * 100)} % margin)")
         return f"{name} on {klass}: not distinguishable (noise floor {_pct(c['noise_floor'] * 100)} %)"
     n = c.get("needed")
     more = f" (about {n} more request{'s' if n != 1 else ''} per arm)" if n else ""

@@ -27,7 +27,7 @@ class Breaker:
     """Opens after consecutive failures or on an engine's Retry-After; half-open lets one trial through."""
 
     __slots__ = ("threshold", "open_s", "failures", "opened_until", "trial_in_flight", "last_failure", "_state",
-                 "openings", "on_open")
+                 "openings", "on_open", "held_until", "own_until")
 
     def __init__(self, threshold: int, open_s: float) -> None:
         self.threshold = threshold
@@ -41,6 +41,10 @@ class Breaker:
         # Called with `opened_until` each time a failure seen here opens it (other replicas are told: see
         # gateway.ops.replica_sync); it runs on the request path, so it only takes note.
         self.on_open: Callable[[float], None] | None = None
+        # Another replica's opening in force here (0: none), and how long this breaker's own openings held it
+        # open when it came: what it falls back to when that replica's entry goes (see end_hold).
+        self.held_until = 0.0
+        self.own_until = 0.0
 
     def state(self, now: float) -> str:
         if self._state == OPEN and now >= self.opened_until:
@@ -90,11 +94,29 @@ class Breaker:
         (no echo between replicas); False when it was already open for at least that long."""
         if self.state(now) == OPEN and self.opened_until >= until:
             return False
+        if not self._held(now):  # (a hold that replaces another keeps what was there before the first)
+            self.own_until = self.opened_until if self._state == OPEN else 0.0
         self._state = OPEN
         self.opened_until = max(self.opened_until, until)
+        self.held_until = self.opened_until
         self.trial_in_flight = False
         # Requests already running here that then succeed must not close it: they started before the news.
         self.last_failure = max(self.last_failure, now)
+        return True
+
+    def _held(self, now: float) -> bool:
+        return self.held_until > 0.0 and self.state(now) == OPEN and self.opened_until == self.held_until
+
+    def end_hold(self, now: float) -> bool:
+        """The other replica's entry that held it open is gone: its hold ends now, as if it had run out (back to
+        this breaker's own opening if one is still in force, else a half-open trial). False when nothing was
+        held, or an opening of its own since holds it longer. A failure seen here during the hold that did not
+        hold it longer is left to that trial to find again."""
+        if not self._held(now):
+            self.held_until = 0.0
+            return False
+        self.held_until = 0.0
+        self.opened_until = max(self.own_until, now)
         return True
 
     def release(self) -> None:

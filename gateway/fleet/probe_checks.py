@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -13,6 +12,7 @@ import orjson
 
 from backends.openai_http import count, printable
 from gateway.contracts import UpstreamCall, UpstreamError
+from gateway.errors import TOO_LONG_HINT
 
 YES, NO, ERROR, UNKNOWN = "yes", "no", "error", "unknown"
 
@@ -40,8 +40,6 @@ FILLER = "the quick brown fox jumps over a lazy dog while seven wizards hum "
 # The calibration prompt of the context check: at most half the window in characters (a tokenizer makes at
 # most about one token of a plain ASCII character, so it fits), and no more than this, to keep its prefill cheap.
 CALIBRATION_CHARS = 16_384
-# How engines word a prompt too long for the window (vLLM, SGLang, llama.cpp, OpenAI's own API).
-CONTEXT_ERROR = re.compile(r"context|too long|too many tokens|max_model_len|maximum.{0,24}length", re.I)
 
 
 @dataclass(frozen=True)
@@ -378,7 +376,7 @@ async def check_context(t: Target) -> Cell:
     try:
         await t.post(CHAT, body(c3))
     except Verdict as v:
-        if v.cell.verdict == NO and CONTEXT_ERROR.search(v.cell.reason):
+        if v.cell.verdict == NO and TOO_LONG_HINT.search(v.cell.reason):  # the engines' wordings
             return Cell(YES, f"{window} ({source}): {accepted} served, ~{over} refused as too long", window)
         if v.cell.verdict != NO:
             raise

@@ -5,22 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final
 
 import httptools
 
-from gateway.pipeline import serve_api
 from gateway.errors import GatewayError, raised_at
 from gateway.http.exchange import INTERNAL_ERROR, FrontExchange, error_reply, too_large
 from gateway.http.headers import valid_request_id
 from gateway.http.request_head import check_head, refusal, request_headers
-
-if TYPE_CHECKING:
-    from gateway.http.front import Front
+from gateway.http.server import Server
+from gateway.http.wire import Wire
 
 log = logging.getLogger("shapegate")
 
-# POST on these paths runs the pipeline; every other request is served by aiohttp's routes (gateway/http/inner.py).
+# POST on these paths goes to the API handler the application hands over (its pipeline); every other request is
+# served by aiohttp's routes (gateway/http/inner.py).
 API_ROUTES: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 PIPELINED_HIGH: Final = 1 << 20  # bytes of later requests buffered before reading pauses
 # What a connection is doing. IDLE: waiting for a request's first byte; HEAD, BODY: reading one; SERVING: the
@@ -42,7 +41,7 @@ class _StopParsing(Exception):
     """Raised in a parser callback to stop llhttp at once: a second request in the same bytes."""
 
 
-class FrontConnection(asyncio.Protocol):
+class FrontConnection(Wire):
     """Requests one at a time; pipelined ones wait unparsed in the buffer until the one before is answered.
 
     A head ends at the first CRLFCRLF (strict llhttp allows no bare CR or LF in it), so it is measured before
@@ -51,28 +50,20 @@ class FrontConnection(asyncio.Protocol):
     from the first's Content-Length). After a chunked body it is not: the connection then ends after the reply.
     """
 
-    def __init__(self, front: Front) -> None:
+    def __init__(self, front: Server) -> None:
+        super().__init__(front.loop, front.cfg, front.dates)
         self.front = front
-        self.cfg = front.cfg  # the settings read per request, taken afresh for each one (a reload applies)
-        self.loop = front.loop
-        # Set by connection_made, which the event loop calls before anything else.
-        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.parser = httptools.HttpRequestParser(self)
         self.buf = bytearray()  # received bytes not yet parsed (a head: not yet complete)
         self.fed = 0  # bytes of an incomplete head already fed
         self.phase = IDLE
-        self.deadline = 0.0  # when the current wait ends (0: no limit)
         self.ex: FrontExchange | None = None
         # One task serves the connection's requests in turn (a task per request costs more than the request's
         # routing); between requests it waits on next_waiter.
         self.task: asyncio.Task | None = None
         self.next_waiter: asyncio.Future | None = None
         self.body_left = 0  # bytes of a Content-Length body still to come
-        self.body_waiter: asyncio.Future | None = None
-        self.drain_waiter: asyncio.Future | None = None
-        self.write_paused = False
         self.read_paused = False
-        self.closed = False
         # The request being parsed (reset for each one).
         self.early: list[bytes] = []  # body bytes parsed with the head, before the exchange exists
         self.head_done = self.msg_done = self.upgrade = self.overrun = False
@@ -294,7 +285,7 @@ class FrontConnection(asyncio.Protocol):
             headers.get("expect", "").lower() == "100-continue", cfg.max_body_bytes)
         length = ex.content_length or 0
         if length > ex.limit:
-            # Refused before any of it is read (serve_api answers 413); what arrives meanwhile is dropped.
+            # Refused before any of it is read (the API handler answers 413); what arrives meanwhile is dropped.
             ex.error = too_large(ex.limit, length)
         for part in self.early:
             ex.add_body(part)
@@ -318,20 +309,6 @@ class FrontConnection(asyncio.Protocol):
         else:  # waiting for this request, or (a pipelined one) about to take it up once the one before is done
             self._wake_task()
         return True
-
-    async def read_body(self, ex: FrontExchange) -> None:
-        """Wait until the whole body is in (within body_timeout_s); raises the body's error (413, 408)."""
-        if ex.error is None and not ex.complete:
-            if ex.expect_continue:
-                ex.expect_continue = False
-                self.send_now(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self.body_waiter = self.loop.create_future()
-            try:
-                await self.body_waiter
-            finally:
-                self.body_waiter = None
-        if ex.error is not None:
-            raise ex.error
 
     # -- serving ---------------------------------------------------------------------------------
     async def _serve_all(self) -> None:
@@ -357,28 +334,28 @@ class FrontConnection(asyncio.Protocol):
 
     async def _serve(self, ex: FrontExchange) -> bool:
         """One request, answered however it ends; whether the connection then stays open for another."""
-        g = self.front.g
+        front = self.front
         try:
             if ex.route is not None and ex.method == "POST":
-                await serve_api(g, ex, ex.route)
+                await front.api(ex, ex.route)
             else:
-                rid = valid_request_id(ex.headers.get("x-request-id")) or g.request_ids.next()
+                rid = valid_request_id(ex.headers.get("x-request-id")) or front.request_id()
                 if ex.route is not None:
                     err = GatewayError(405, f"Method {ex.method} is not allowed on this route.",
                                        code="method_not_allowed", headers={"Allow": "POST"})
                     ex.reply(405, {"x-request-id": rid, **err.headers}, err.body())
                 else:
-                    await self.front.inner.serve(ex, rid)
+                    await front.inner.serve(ex, rid)
         except (asyncio.CancelledError, ConnectionError):
             if self.phase != LINGER:  # (refused by the front itself: closing already)
-                self._close()  # the client left (or the shutdown cut it)
+                self.close()  # the client left (or the shutdown cut it)
             return False
         except Exception:
             log.exception("unexpected error on %s", ex.route or "an inner route")
             if not ex.started and not self.closed:
                 ex.keep_alive = False
                 ex.reply(500, {}, INTERNAL_ERROR)
-            self._close()
+            self.close()
             return False
         self._finish(ex)
         return not self.closed and self.phase != LINGER
@@ -389,7 +366,7 @@ class FrontConnection(asyncio.Protocol):
             self._linger()  # the client may still be sending the body nobody read
             return
         if not ex.done or not ex.keep_alive or self.front.closing:
-            self._close()
+            self.close()
             return
         if self.write_paused:
             # The client has not taken this reply yet: the next request waits, for write_timeout_s at most.
@@ -415,13 +392,13 @@ class FrontConnection(asyncio.Protocol):
         """Answer a request the front cannot take (malformed, too large, too slow) and end the connection."""
         ex = self.ex
         if ex is not None and ex.started:
-            self._close()
+            self.close()
             return
         if ex is not None and self.task is not None and not self.task.done():
             self.task.cancel()  # the request it is reading is answered here instead
         if not self.closed:
-            self.transport.write(error_reply(err, self.front.g.request_ids.next(), head_only=self.method == "HEAD"))
-        self.front.g.metrics.reject(err.status)
+            self.transport.write(error_reply(err, self.front.request_id(), head_only=self.method == "HEAD"))
+        self.front.reject(err.status)
         self._linger()
 
     def _linger(self) -> None:
@@ -440,13 +417,13 @@ class FrontConnection(asyncio.Protocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         else:
-            self._close()
+            self.close()
 
     def expire(self) -> None:
         """The current wait ran out (called by the front's sweep)."""
         phase = self.phase
         if phase == IDLE or phase == LINGER:
-            self._close()
+            self.close()
         elif phase == HEAD:
             self._refuse(refusal(408, "The request head did not arrive in time.", "request_timeout"))
         elif phase == BODY:
@@ -465,35 +442,18 @@ class FrontConnection(asyncio.Protocol):
         """Close at once to make room for another connection (one still sending a request is told 408)."""
         if self.phase in (HEAD, BODY) and not (self.ex is not None and self.ex.started) and not self.closed:
             self.transport.write(error_reply(refusal(408, "The request did not arrive in time.", "request_timeout"),
-                                             self.front.g.request_ids.next(), head_only=self.method == "HEAD"))
-            self.front.g.metrics.reject(408)
-        self._close()
+                                             self.front.request_id(), head_only=self.method == "HEAD"))
+            self.front.reject(408)
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close: what was written still goes out first."""
         if not self.closed:
             self.closed = True
             self.front.forget(self)
-            self.transport.close()  # what was written still goes out first
+            self.transport.close()
 
-    # -- writing ---------------------------------------------------------------------------------
-    def send_now(self, data: bytes) -> None:
-        if self.closed:
-            raise ConnectionResetError("the client closed the connection")
-        self.transport.write(data)
-
-    async def send(self, data: bytes) -> None:
-        """Write, then wait while the client reads slower than the engine writes (write_timeout_s at most)."""
-        self.send_now(data)
-        if self.write_paused:
-            await self.drained()
-
-    async def drained(self) -> None:
-        """Wait until the client has taken enough of its reply to write again (write_timeout_s at most)."""
-        if self.write_paused:
-            self.deadline = self.loop.time() + self.cfg.write_timeout_s
-            self.drain_waiter = self.loop.create_future()
-            try:
-                await self.drain_waiter
-            finally:
-                self.drain_waiter = None
-                self.deadline = 0.0
+    def abort(self) -> None:
+        """Close at once, dropping what the client has not taken (the shutdown's end)."""
+        if self.transport is not None:
+            self.transport.abort()

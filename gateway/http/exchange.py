@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Final, Iterable, Mapping
+from typing import Final, Iterable, Mapping
 
 import orjson
 
 from gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from gateway.http.front import FrontConnection
+from gateway.http.wire import Wire
 
 Headers = dict[str, str] | Iterable[tuple[str, str]]
 # Bodies larger than this go out in a write of their own rather than copied behind the head.
 _JOIN_LIMIT: Final = 64 * 1024
+CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _status_line(status: int) -> bytes:
@@ -57,7 +56,7 @@ def _has_content_type(headers: Headers) -> bool:
 
 
 class FrontExchange:
-    """One request read by a FrontConnection; the pipeline answers through it (see pipeline.Exchange).
+    """One request read by a FrontConnection; the API handler answers through it (the routing's Exchange).
 
     The body accumulates here as the parser hands it over, never more than the body limit of it.
     """
@@ -66,7 +65,7 @@ class FrontExchange:
                  "http10", "expect_continue", "parts", "size", "limit", "complete", "error", "done", "started",
                  "status")
 
-    def __init__(self, conn: FrontConnection, method: str, route: str | None, target: str,
+    def __init__(self, conn: Wire, method: str, route: str | None, target: str,
                  headers: dict[str, str], content_length: int | None, chunked: bool, keep_alive: bool,
                  http10: bool, expect_continue: bool, limit: int) -> None:
         self.conn = conn
@@ -100,7 +99,14 @@ class FrontExchange:
         self.parts.append(data)
 
     async def read(self) -> bytes:
-        await self.conn.read_body(self)
+        """The whole body, once it is in (within body_timeout_s); raises its error (413, 408)."""
+        if self.error is None and not self.complete:
+            if self.expect_continue:
+                self.expect_continue = False
+                self.conn.send_now(CONTINUE)
+            await self.conn.body_arrives()
+        if self.error is not None:
+            raise self.error
         parts = self.parts
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -108,7 +114,7 @@ class FrontExchange:
     def reply(self, status: int, headers: Headers, body: bytes, lines: str = "") -> FrontExchange:
         """A whole reply; `lines` are header lines rendered already (`name: value\\r\\n` each)."""
         extra = lines if _has_content_type(headers) else lines + "Content-Type: application/json\r\n"
-        extra += f"Content-Length: {len(body)}\r\nDate: {self.conn.front.date()}\r\n"
+        extra += f"Content-Length: {len(body)}\r\nDate: {self.conn.dates.now()}\r\n"
         if not self.keep_alive or not self.complete:
             self.keep_alive = False
             extra += "Connection: close\r\n"  # an unread body is not read: the connection ends instead
@@ -141,7 +147,7 @@ class FrontStream:
         self.status = ex.status = 200
         self.chunked = not ex.http10
         h = {k: v for k, v in headers.items() if k.lower() != "content-type"}
-        extra = f"{lines}Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nDate: {ex.conn.front.date()}\r\n"
+        extra = f"{lines}Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nDate: {ex.conn.dates.now()}\r\n"
         if self.chunked:
             extra += "Transfer-Encoding: chunked\r\n"
         else:

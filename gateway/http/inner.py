@@ -17,9 +17,13 @@ from gateway.http.exchange import FrontExchange
 
 log = logging.getLogger("shapegate")
 
+# The client's address as the front's socket saw it, for the routes that need it (the dashboard's sign-in
+# throttle): set here only, a client's own field of that name is dropped.
+PEER_HEADER = "x-shapegate-peer"
 # Not passed on: fields about the client's connection to the front, and the ones this hop sets itself.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                        "upgrade", "content-length", "host", "expect", "x-request-id", "http2-settings"})
+                        "upgrade", "content-length", "host", "expect", "x-request-id", "http2-settings",
+                        PEER_HEADER})
 REPLY_SKIP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"})
 INNER_CONNECTIONS = 8  # these routes are light; more requests wait for a free connection
 INNER_TIMEOUT_S = 60.0  # a reload or a stats page; none of them stream
@@ -30,7 +34,9 @@ class InnerRoutes:
     """A small pool of in-process connections to aiohttp's server (nothing listens on a port for it)."""
 
     def __init__(self, runner: web.AppRunner) -> None:
-        self._factory = runner.server
+        server = runner.server
+        assert server is not None, "the runner is set up first"
+        self._factory = server
         self._pool: HostPool | None = None
 
     async def _open(self, make: Callable[[], Connection]) -> Connection:
@@ -57,6 +63,8 @@ class InnerRoutes:
                                          "x-shapegate-reason": err.code or "refused", **err.headers}, err.body())
         headers = [(k, v) for k, v in ex.headers.items() if k not in HOP_BY_HOP]
         headers.append(("x-request-id", request_id))
+        peer = ex.conn.transport.get_extra_info("peername")
+        headers.append((PEER_HEADER, str(peer[0]) if isinstance(peer, tuple) and peer else ""))
         method = "GET" if ex.method == "HEAD" else ex.method
         try:
             resp = await self._pool.request(method, ex.target, headers, body, INNER_TIMEOUT_S)
@@ -66,8 +74,8 @@ class InnerRoutes:
                 resp.close()
         except (UpstreamError, TimeoutError, OSError) as e:
             log.error("an inner route failed: %s", type(e).__name__)
-            err = GatewayError(500, "The gateway failed to process the request.", code="internal_error")
-            return ex.reply(500, {"x-request-id": request_id}, err.body())
+            failed = GatewayError(500, "The gateway failed to process the request.", code="internal_error")
+            return ex.reply(500, {"x-request-id": request_id}, failed.body())
         return ex.reply(resp.status, [(k, v) for k, v in resp.header_list if k.lower() not in REPLY_SKIP], data)
 
     def close(self) -> None:

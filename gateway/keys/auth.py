@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from gateway.config import AuthConfig, KeyLimits
+from gateway.config import AuthConfig
 from gateway.errors import forbidden, unauthorized
-
-if TYPE_CHECKING:  # the store builds Principals from this module: imported for its type only
-    from gateway.keys.keystore import KeyStore
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    id: str
-    admin: bool
-    limits: KeyLimits | None = None  # the key's own limits; None: the [limits] defaults
-
+from gateway.keys.keystore import KeyStore
+from gateway.keys.principal import Principal, hash_key
 
 ANONYMOUS: Final = Principal("anonymous", admin=True)
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def new_key() -> str:
-    return "sg-" + secrets.token_urlsafe(32)
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

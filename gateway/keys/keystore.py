@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 
-from gateway.keys.auth import Principal, hash_key, new_key
+from gateway.keys.principal import Principal, hash_key, new_key
 from gateway.config import GatewayConfig, KeyLimits
 from gateway.keys.storage import (
     ID_PATTERN,

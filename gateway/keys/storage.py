@@ -1,4 +1,4 @@
-"""Where run-time API keys are kept: this process's memory, a JSON file (atomic writes), or a Redis hash."""
+"""Where run-time API keys are kept: this process's memory, a private JSON file (atomic writes), or a Redis hash."""
 
 from __future__ import annotations
 
@@ -16,11 +16,21 @@ from pydantic import Field, ValidationError
 from redis.exceptions import RedisError
 
 from gateway.config import ApiKey, StateConfig
+from gateway.keys.private_file import (
+    PrivateFileError,
+    check_private_place,
+    open_lock,
+    private_path,
+    read_private,
+    write_private,
+)
 
 log = logging.getLogger("shapegate.keys")
 
 # Ids of keys made at run time: they show in logs, metrics and URLs (DELETE /admin/keys/{id}).
 ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+# Run-time keys a store takes at most: each is loaded by every process and listed whole by GET /admin/keys.
+MAX_RUNTIME_KEYS = 10_000
 
 Records = dict[str, "KeyRecord"]
 
@@ -42,6 +52,10 @@ class KeyNotFound(Exception):
 
 class StoreUnavailable(Exception):
     """The store could not be read or changed; nothing was changed (the message is for the log)."""
+
+
+class TooManyKeys(Exception):
+    """The store holds MAX_RUNTIME_KEYS run-time keys already; nothing was changed."""
 
 
 class KeyBackend(Protocol):
@@ -78,6 +92,8 @@ class MemoryKeys:
     async def add(self, rec: KeyRecord) -> Records | None:
         if rec.id in self._records:
             raise KeyExists(rec.id)
+        if len(self._records) >= MAX_RUNTIME_KEYS:
+            raise TooManyKeys()
         self._records[rec.id] = rec
         return dict(self._records)
 
@@ -110,19 +126,25 @@ def _parse_records(data: bytes) -> Records:
 
 class FileKeys:
     """A JSON file that every process of a host reads; each change is made under an exclusive lock and
-    written aside, synced and renamed into place, so a reader sees the old file or the new one whole."""
+    written aside, synced and renamed into place, so a reader sees the old file or the new one whole.
+
+    The file decides who may use the gateway, so its place must be one no other local user can change: the
+    directory is checked at start (gateway/keys/private_file.py has the rule), every file is opened never
+    through a link, and each write goes to a fresh unpredictable name made exclusively (0600).
+    """
 
     kind = "file"
 
-    def __init__(self, path: str) -> None:
-        self.path = os.path.abspath(path)
+    def __init__(self, path: str, what: str = "[auth] keys_file") -> None:
+        self.path = private_path(path)
         self.used_path = self.path + ".used"
         self._lock_path = self.path + ".lock"
+        check_private_place(self.path, what, (self._lock_path, self.used_path))  # UnsafePlace: a ValueError
         self._seen: tuple | None = None  # (inode, size, mtime) of the file last read
 
     def _signature(self) -> tuple:
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)  # the name itself: a link put there is noticed (and refused), never looked through
         except FileNotFoundError:
             return ()
         except OSError as e:
@@ -132,13 +154,12 @@ class FileKeys:
     def _read(self) -> tuple[Records, tuple, int]:
         """(the keys, the file's signature, its mtime in ns) of exactly the version that was read."""
         try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                data = f.read()
-        except FileNotFoundError:
+            got = read_private(self.path)
+        except PrivateFileError as e:
+            raise StoreUnavailable(str(e)) from None
+        if got is None:
             return {}, (), 0
-        except OSError as e:
-            raise StoreUnavailable(f"cannot read {self.path}: {e.strerror}") from None
+        data, st = got
         return _parse_records(data), (st.st_ino, st.st_size, st.st_mtime_ns), st.st_mtime_ns
 
     async def poll(self) -> Records | None:
@@ -153,22 +174,32 @@ class FileKeys:
         self._seen = sig
         return records
 
-    def _locked(self, change: Callable[[Records], Records]) -> Records:
-        """Read the file as it is now, apply `change`, write the result; all under the lock (in a thread)."""
+    def _lock(self) -> int:
         try:
-            lock = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise StoreUnavailable(f"cannot open {self._lock_path}: {e.strerror}") from None
+            lock = open_lock(self._lock_path)
+        except PrivateFileError as e:
+            raise StoreUnavailable(str(e)) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:
+            os.close(lock)
+            raise StoreUnavailable(f"cannot lock {self._lock_path}: {e.strerror}") from None
+        return lock
+
+    def _locked(self, change: Callable[[Records], Records]) -> Records:
+        """Read the file as it is now, apply `change`, write the result; all under the lock (in a thread)."""
+        lock = self._lock()
+        try:
             records, _, mtime_ns = self._read()
             records = change(records)
             rows = [r.model_dump(mode="json") for r in sorted(records.values(), key=lambda r: r.created)]
             # A strictly later mtime than the file it replaces: a reader comparing (inode, size, mtime) sees
             # every change even if the new file reuses the old inode and size within one clock tick.
-            write_atomic(self.path, orjson.dumps({"keys": rows}, option=orjson.OPT_INDENT_2),
-                         mtime_ns=max(time.time_ns(), mtime_ns + 1_000_000))
+            write_private(self.path, orjson.dumps({"keys": rows}, option=orjson.OPT_INDENT_2),
+                          mtime_ns=max(time.time_ns(), mtime_ns + 1_000_000))
             return records
+        except PrivateFileError as e:
+            raise StoreUnavailable(str(e)) from None
         finally:
             os.close(lock)  # releases the lock
 
@@ -176,6 +207,8 @@ class FileKeys:
         def change(records: Records) -> Records:
             if rec.id in records:
                 raise KeyExists(rec.id)
+            if len(records) >= MAX_RUNTIME_KEYS:
+                raise TooManyKeys()
             return {**records, rec.id: rec}
 
         return await asyncio.to_thread(self._locked, change)
@@ -189,21 +222,22 @@ class FileKeys:
         return await asyncio.to_thread(self._locked, change)
 
     def _merge_used(self, used: dict[str, float]) -> None:
-        lock = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        lock = self._lock()
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
             merged = self._read_used()
             for k, t in used.items():
                 merged[k] = max(t, merged.get(k, 0.0))
-            write_atomic(self.used_path, orjson.dumps(merged), sync=False)  # approximate figures: no fsync
+            write_private(self.used_path, orjson.dumps(merged), sync=False)  # approximate figures: no fsync
+        except PrivateFileError as e:
+            raise StoreUnavailable(str(e)) from None
         finally:
             os.close(lock)
 
     def _read_used(self) -> dict[str, float]:
         try:
-            with open(self.used_path, "rb") as f:
-                data = orjson.loads(f.read())
-        except (OSError, orjson.JSONDecodeError):
+            got = read_private(self.used_path)
+            data = orjson.loads(got[0]) if got is not None else {}
+        except (PrivateFileError, orjson.JSONDecodeError):
             return {}
         return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
 
@@ -220,41 +254,28 @@ class FileKeys:
         return None
 
 
-def write_atomic(path: str, payload: bytes, *, sync: bool = True, mtime_ns: int | None = None) -> None:
-    """Replace `path` whole: write a file beside it (owner-only), fsync it, rename it over, fsync the directory."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        if mtime_ns is not None:
-            os.utime(tmp, ns=(mtime_ns, mtime_ns))
-        os.replace(tmp, path)
-        if sync:
-            d = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-            try:
-                os.fsync(d)  # the rename itself survives a crash
-            finally:
-                os.close(d)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise StoreUnavailable(f"cannot write {path}: {e.strerror}") from None
-
-
 # Both change the hash and bump the version in one step, so a replica that sees the version sees the change.
-_ADD = """if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+# _ADD: 1 added, 0 the id is taken, -1 the store is full (ARGV[3]: MAX_RUNTIME_KEYS).
+_ADD = """if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('INCR', KEYS[2])
 return 1"""
-_REMOVE = """if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+# By id, not only by field name: a record is listed under the id it holds, and one stored under another field
+# (written by hand, or by another tool) must be revocable too. Every field holding the id goes; the scan is
+# over at most MAX_RUNTIME_KEYS records, on a rare admin action.
+_REMOVE = """local n = redis.call('HDEL', KEYS[1], ARGV[1])
+local rows = redis.call('HGETALL', KEYS[1])
+for i = 1, #rows, 2 do
+  local ok, rec = pcall(cjson.decode, rows[i + 1])
+  if ok and type(rec) == 'table' and rec['id'] == ARGV[1] then
+    n = n + redis.call('HDEL', KEYS[1], rows[i])
+  end
+end
+if n == 0 then return 0 end
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('INCR', KEYS[2])
-return 1"""
+return n"""
 _NEVER = object()
 
 
@@ -288,7 +309,8 @@ class RedisKeys:
             p.hgetall(self.keys[0])
             version, rows = await self._call(p.execute())
         parsed: dict[bytes, KeyRecord] = {}
-        for name, raw in rows.items():
+        records: Records = {}
+        for name, raw in sorted(rows.items()):
             rec = self._parsed.get(raw)
             if rec is None:
                 try:
@@ -297,13 +319,19 @@ class RedisKeys:
                     log.warning("run-time key %r in Redis is not a valid record: left out", name[:64])
                     continue
             parsed[raw] = rec
+            # One record per id, the same on every replica: the one stored under its own id wins.
+            if rec.id not in records or name == rec.id.encode():
+                records[rec.id] = rec
         self._parsed, self._seen = parsed, version
-        return {r.id: r for r in parsed.values()}
+        return records
 
     async def add(self, rec: KeyRecord) -> Records | None:
         raw = orjson.dumps(rec.model_dump(mode="json"))
-        if not await self._call(self.client.eval(_ADD, 2, *self.keys[:2], rec.id, raw)):
+        added = await self._call(self.client.eval(_ADD, 2, *self.keys[:2], rec.id, raw, MAX_RUNTIME_KEYS))
+        if added == 0:
             raise KeyExists(rec.id)
+        if added < 0:
+            raise TooManyKeys()
         return None
 
     async def remove(self, key_id: str) -> Records | None:

@@ -1,46 +1,28 @@
-"""Per-key rate limits: token buckets (requests and tokens per minute), OpenAI's x-ratelimit headers, the limiter."""
+"""Per-key rate limits: the buckets a key's requests draw from (Plan), OpenAI's x-ratelimit headers, the limiter."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from math import floor
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from gateway.config import LimitsConfig, RateLimit
-from gateway.contracts import CLIENT_LEFT, OK, Outcome
+from gateway.contracts import CLIENT_LEFT, OK, Outcome, RequestShape
 from gateway.errors import GatewayError, rate_limited
+from gateway.limits.buckets import KINDS, REQUESTS, TOKENS, Buckets, Clock, Need, level_at
 
 if TYPE_CHECKING:
-    from gateway.keys.auth import Principal
+    from gateway.keys.principal import Principal
     from gateway.limits.redis_buckets import SharedBuckets
     from gateway.observe.metrics import Metrics
-    from gateway.routing.request import RequestState
 
-# Why token buckets: a bucket holds up to the per-minute limit and refills continuously at limit/60 per second,
-# so a key may burst up to its limit and then gets a steady rate, with no burst of twice the limit at a window
-# edge as fixed windows allow. OpenAI's "reset" is then the time until the bucket is full again. State is two
-# numbers per bucket (level and when it was taken), small enough for one atomic Redis script per request. A
-# request draws from every bucket it needs or from none; costs and a full bucket are whole numbers, so the
-# check holds exactly at the boundary (rpm = 60: sixty requests at once pass, the sixty-first does not).
-REQUESTS: Final = "requests"
-TOKENS: Final = "tokens"
-KINDS: Final = (REQUESTS, TOKENS)
 MAX_PLANS: Final = 4096  # plans cached, by key or by key and model (past this, a plan is built per request)
-Clock = Callable[[], float]
 CHARGED: Final = (OK, CLIENT_LEFT)  # results whose usage a key is charged: served, or cut short by its client
-
-
-@dataclass(frozen=True, slots=True)
-class Need:
-    """One bucket a request draws from: its identity (kind, key id and model; never the key), and limit."""
-
-    name: str
-    kind: str
-    limit: int  # per minute
-    model: str | None = None
+# The fields that cap a request's output (gateway/routing/shape.py's requested_output reads the first that is a
+# positive integer).
+OUTPUT_CAPS: Final = ("max_completion_tokens", "max_tokens", "n_predict")
 
 
 def bucket_name(kind: str, principal: str, model: str | None) -> str:
@@ -52,10 +34,11 @@ class Plan:
     """The buckets one key's requests for one model draw from: the key's own, then the model's on top (a request
     needs room in each), with what every check of them needs worked out once."""
 
-    __slots__ = ("caps", "common", "common_heads", "line_parts", "limit_texts", "needs", "one_per_kind", "rates",
-                 "slots", "token_caps", "token_needs", "token_slots", "tokens_at")
+    __slots__ = ("caps", "common", "common_heads", "limit_texts", "line_parts", "needs", "one_per_kind", "outage",
+                 "principal", "seen", "slots", "token_caps", "token_needs", "token_slots", "tokens_at", "whole_tokens")
 
-    def __init__(self, needs: tuple[Need, ...]) -> None:
+    def __init__(self, principal: str, needs: tuple[Need, ...]) -> None:
+        self.principal = principal  # the key's id (a refusal names it)
         self.needs = needs
         self.caps = tuple(float(n.limit) for n in needs)
         self.tokens_at = tuple(n.kind == TOKENS for n in needs)
@@ -66,12 +49,17 @@ class Plan:
         self.limit_texts = tuple(str(n.limit) for n in needs)
         self.line_parts = tuple(LINE_PARTS[n.kind] for n in needs)
         self.common = self.tokens_at == (False, True)  # a requests and a tokens limit: costs (1, tokens)
-        self.rates = tuple(c / 60.0 for c in self.caps)  # refill per second
         # Each kind's limit line and the name of the remaining line, the text before its value (Limiter.take).
         self.common_heads = tuple(f"{a}{text}{b}" for (a, b, _), text in zip(self.line_parts, self.limit_texts))
         # This process's state of each bucket, bound by the limiter that uses the plan (Buckets.slots).
         self.slots: tuple[list[float], ...] = ()
         self.token_slots: tuple[list[float], ...] = ()
+        # What a request whose output the gateway cannot read reserves: the tightest tokens limit, whole.
+        self.whole_tokens = min([n.limit for n in self.token_needs], default=0)
+        # With Redis: the buckets' levels in its last answer (a reference kept, nothing computed on that path),
+        # and the outage (SharedBuckets.outages) in which this process's buckets were last lowered to them.
+        self.seen: list[float] | None = None
+        self.outage = 0
 
     def bind(self, buckets: Buckets) -> Plan:
         self.slots = buckets.slots(self.needs)
@@ -80,6 +68,26 @@ class Plan:
 
     def costs(self, tokens: int) -> tuple[int, ...]:
         return (1, tokens) if self.common else tuple([tokens if t else 1 for t in self.tokens_at])
+
+    def tokens(self, shape: RequestShape, body: dict[str, Any]) -> int:
+        """Tokens a request reserves: its prompt once, and its output cap (or expected output) once for each of
+        its `n` choices. An `n` or an output cap the shape stage could not read (not a positive integer: a
+        string, a float, a bool, zero or below, which it passes on for the engine to judge, and which an engine
+        may read as a number, or as no cap at all like llama.cpp's n_predict = -1) reserves the key's whole
+        tokens limit: such a request passes only on a full bucket, and is settled from its usage like any."""
+        n = body.get("n")
+        if n is None:
+            choices = 1
+        elif type(n) is int and n > 0:  # type(): a bool is no count
+            choices = n
+        else:
+            return max(shape.prompt_tokens + shape.output_tokens, self.whole_tokens)
+        output = shape.output_tokens if choices == 1 else shape.output_tokens * choices
+        if shape.max_output is None and self.whole_tokens and shape.route != "embeddings":
+            for name in OUTPUT_CAPS:  # one of them set, yet none read: not a positive integer
+                if body.get(name) is not None:
+                    return max(shape.prompt_tokens + output, self.whole_tokens)
+        return shape.prompt_tokens + output
 
 
 def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: RateLimit | None) -> Plan:
@@ -91,7 +99,7 @@ def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: 
             needs.append(Need(bucket_name(REQUESTS, principal, m), REQUESTS, scope.rpm, m))
         if scope.tpm is not None:
             needs.append(Need(bucket_name(TOKENS, principal, m), TOKENS, scope.tpm, m))
-    return Plan(tuple(needs))
+    return Plan(principal, tuple(needs))
 
 
 def duration(seconds: float) -> str:
@@ -128,105 +136,83 @@ def reset_text(ms: int) -> str:
 
 HEADER_NAMES: Final = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
                 for kind in KINDS}
-# The same triple as reply-head lines: the text before each of the three values (the per-request path joins
-# them with the values in one f-string).
+# The same triple as reply-head lines: the text before each of the three values.
 LINE_PARTS: Final = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
               for kind, (limit, remaining, reset) in HEADER_NAMES.items()}
 
 
-def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
-    """The x-ratelimit triple of each kind the key is limited in, from that kind's tightest bucket: the least
-    remaining, then the longest until full."""
-    tightest: dict[str, int] = {}
+def kind_lines(parts: tuple[str, str, str], limit: str, cap: float, level: float) -> str:
+    """The x-ratelimit triple of one kind as reply-head lines, from its bucket (`limit`: cap's text): what it
+    holds now (none when in debt) and the time until it is full. The one place they are written."""
+    a, b, c = parts
+    # floor() rather than int(), in a third of the time: the same text (a reset below zero reads 0s either way)
+    ms = floor((cap - level) * 60000.0 / cap + 0.5)
+    return f"{a}{limit}{b}{floor(level) if level > 0 else 0}{c}{reset_text(ms)}\r\n"
+
+
+def tightest(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> list[int]:
+    """Each kind's tightest bucket, kinds in the order the needs name them: the least remaining, then the longest
+    until full."""
+    found: dict[str, int] = {}
     for i, n in enumerate(needs):
-        j = tightest.get(n.kind)
+        j = found.get(n.kind)
         if j is None or (levels[i] // 1, (levels[i] - caps[i]) / caps[i]) < (levels[j] // 1,
-                                                                             (levels[j] - caps[j]) / caps[j]):
-            tightest[n.kind] = i
+                                                                           (levels[j] - caps[j]) / caps[j]):
+            found[n.kind] = i
+    return list(found.values())
+
+
+def lines(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> str:
+    """The x-ratelimit triple of each kind the key is limited in, from that kind's tightest bucket, as lines."""
+    return "".join([kind_lines(LINE_PARTS[needs[i].kind], str(int(caps[i])), caps[i], levels[i])
+                    for i in tightest(needs, caps, levels)])
+
+
+def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
+    """lines() as headers (what an error reply carries)."""
     out: dict[str, str] = {}
-    for kind, i in tightest.items():
-        names, cap, level = HEADER_NAMES[kind], caps[i], levels[i]
-        out[names[0]] = str(int(cap))
-        out[names[1]] = str(int(level)) if level > 0 else "0"
-        out[names[2]] = reset_text(int((cap - level) * 60000.0 / cap + 0.5))
+    for line in lines(needs, caps, levels).split("\r\n"):
+        if line:
+            name, _, value = line.partition(": ")
+            out[name] = value
     return out
-
-
-def plan_headers(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
-    """headers() for a plan's buckets (what an error reply carries)."""
-    return headers(plan.needs, caps, levels)
 
 
 def plan_lines(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> str:
-    """plan_headers() as reply-head lines; a plan with one bucket per kind without a search or a dict."""
+    """lines() for a plan's buckets; a plan with one bucket per kind without a search."""
     if not plan.one_per_kind:
-        return "".join([f"{k}: {v}\r\n" for k, v in headers(plan.needs, caps, levels).items()])
+        return lines(plan.needs, caps, levels)
     exact = caps is plan.caps  # whole limits (not this process's share): their text is ready
     out = ""
-    for (a, b, c), text, cap, level in zip(plan.line_parts, plan.limit_texts, caps, levels):
-        ms = int((cap - level) * 60000.0 / cap + 0.5)
-        out += (f"{a}{text if exact else int(cap)}{b}{int(level) if level > 0 else 0}{c}"
-                f"{reset_text(ms)}\r\n")
+    for parts, text, cap, level in zip(plan.line_parts, plan.limit_texts, caps, levels):
+        out += kind_lines(parts, text if exact else str(int(cap)), cap, level)
     return out
 
 
-class Buckets:
-    """Token buckets of one process: [level, taken at] by bucket name. Used for every decision with memory state,
-    and while the shared store does not answer with Redis state. A plan holds its buckets' state lists (bound
-    once), so a request finds them without a lookup; an unused bucket is full (level infinite, cut to its
-    limit when read)."""
+class Reservation:
+    """What a request took from its key's buckets, kept on its state until it ends: the plan, caps (the plan's
+    limits or this process's share of them), its buckets' levels after, the tokens taken, whether from the
+    shared store (settled there) rather than this process's buckets, and its replies' x-ratelimit lines."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
-        self.clock = clock
-        self._state: dict[str, list[float]] = {}  # name -> [level, taken at] (a monotonic clock)
+    __slots__ = ("limiter", "plan", "caps", "levels", "tokens", "shared", "lines")
 
-    def slots(self, needs: tuple[Need, ...]) -> tuple[list[float], ...]:
-        return tuple([self._state.setdefault(n.name, [math.inf, 0.0]) for n in needs])
+    def __init__(self, limiter: Limiter, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
+                 shared: bool, lines: str) -> None:
+        self.limiter = limiter
+        self.plan = plan
+        self.caps = caps
+        self.levels = levels
+        self.tokens = tokens
+        self.shared = shared
+        self.lines = lines
 
-    def take_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], costs: tuple[int, ...],
-                   now: float) -> tuple[int, list[float]]:
-        """(index of the first bucket without room, or -1 when all had room and were charged; levels after)."""
-        levels = []
-        short = -1
-        for i, s in enumerate(slots):  # one pass to check, one to charge: the per-request path
-            cap = caps[i]
-            level = s[0] + (now - s[1]) * (cap / 60.0)
-            if level > cap:
-                level = cap
-            if short < 0 and level < costs[i]:
-                short = i
-            levels.append(level)
-        if short >= 0:
-            return short, levels
-        for i, s in enumerate(slots):
-            levels[i] = s[0] = levels[i] - costs[i]
-            s[1] = now
-        return -1, levels
+    def headers(self) -> dict[str, str]:
+        """The x-ratelimit headers (what an error reply after it carries)."""
+        return headers(self.plan.needs, self.caps, self.levels)
 
-    def adjust_slots(self, slots: tuple[list[float], ...], caps: tuple[float, ...], delta: int) -> None:
-        """Charge `delta` more tokens (a refund when negative) once a request's usage is known."""
-        now = self.clock()
-        for s, cap in zip(slots, caps):
-            level = s[0] + (now - s[1]) * (cap / 60.0)
-            s[0] = (cap if level > cap else level) - delta
-            s[1] = now
-
-    def clear(self) -> None:
-        for s in self._state.values():  # in place: plans hold these lists
-            s[0] = math.inf
-
-
-# What a request took from its key's buckets, kept on its state until it ends: (plan, caps: the plan's limits or this
-# process's share of them, its buckets' levels after, tokens taken, taken from the shared store (settled there)
-# rather than this process's buckets). A plain tuple: one is made for every request of a limited key, in a
-# quarter of the time a named tuple takes. Its replies' x-ratelimit lines are on the request's state (limit_lines).
-Reservation = tuple[Plan, tuple[float, ...], Sequence[float], int, bool]
-
-
-def reservation_headers(r: Reservation) -> dict[str, str]:
-    """The x-ratelimit headers of a reservation (what an error reply after it carries)."""
-    plan, caps, levels, _, _ = r
-    return plan_headers(plan, caps, levels)
+    def settle(self, o: Outcome | None) -> None:
+        """At the end of the request that took it, `o` its last attempt (None: no backend was tried)."""
+        self.limiter.settle(self, o)
 
 
 def used_tokens(o: Outcome | None) -> int:
@@ -246,7 +232,7 @@ def refusal(principal: str, needs: tuple[Need, ...], caps: tuple[float, ...], le
             where = f" for model `{n.model}`" if n.model else ""
             return rate_limited(f"Request too large for key `{principal}`{where}: it needs about {cost} tokens, "
                                 f"more than the limit of {math.floor(cap)} tokens per minute. Shorten the prompt "
-                                f"or lower max_tokens.", TOKENS, None, hdrs)
+                                f"or lower max_tokens (or n).", TOKENS, None, hdrs)
     short = [(n, cap, level, cost) for n, cap, level, cost in zip(needs, caps, levels, costs) if level < cost]
     wait = max((cost - level) * 60.0 / cap for _, cap, level, cost in short)
     n, cap, level, cost = short[0]
@@ -259,16 +245,16 @@ def refusal(principal: str, needs: tuple[Need, ...], caps: tuple[float, ...], le
 
 class Limiter:
     """Checks each request of a limited key against its buckets, shared through Redis when the state is, and
-    remembers what it took until the request ends (its replies' headers, then settlement from its usage)."""
+    returns what it took (its replies' headers, then settlement from its usage)."""
 
     def __init__(self, metrics: Metrics, local_share: Callable[[], int], shared: SharedBuckets | None = None,
                  clock: Clock = time.monotonic) -> None:
         self.metrics = metrics
         self.local = Buckets(clock)
         self.shared = shared
-        if shared is not None:
-            shared.on_recover = self.local.clear  # each outage starts from full local buckets
-        self.local_share = local_share  # how many processes split a limit when this one enforces it alone
+        # How many processes split a limit when this one enforces it alone (with Redis: at least [limits]
+        # processes, see _alone()).
+        self.local_share = local_share
         self.share = local_share() if shared is None else 1  # memory state: a worker group's size, fixed at start
         self._plans: dict[str | tuple[str, str], tuple[RateLimit, Plan | None]] = {}
         self.unsettled = 0  # requests that took from a bucket and have not ended yet
@@ -287,39 +273,32 @@ class Limiter:
             self._plans[key] = (limits, plan)
         return plan
 
-    def take(self, st: RequestState, plan: Plan, tokens: int, now: float, share: int = 0) -> None:
+    def take(self, plan: Plan, tokens: int, now: float, share: int = 0) -> Reservation:
         """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
         the 429 of the first without room. `share`: how many processes split each limit (0: the fixed number of
         a memory-state group)."""
         share = share or self.share
         if share == 1 and plan.common:
             # The usual plan (a requests and a tokens bucket) at whole limits, the path every request of such a key
-            # takes: unrolled, and its lines written here. Anything else, a refusal included (it says why), goes
-            # the general way below, which decides the same (a test holds them together).
+            # takes: unrolled. Anything else, a refusal included (it says why), goes the general way below, which
+            # decides the same (a test holds them together).
             r, t = plan.slots
             rcap, tcap = plan.caps
-            rrate, trate = plan.rates
-            rlevel = r[0] + (now - r[1]) * rrate
-            if rlevel > rcap:
-                rlevel = rcap
-            tlevel = t[0] + (now - t[1]) * trate
-            if tlevel > tcap:
-                tlevel = tcap
+            rlevel, tlevel = level_at(r, rcap, now), level_at(t, tcap, now)
             if rlevel >= 1 and tlevel >= tokens:
                 r[0] = rlevel = rlevel - 1
                 t[0] = tlevel = tlevel - tokens
                 r[1] = t[1] = now
-                # floor() rather than int(): the same for these non-negative numbers, in a third of the time
+                # plan_lines(), written out for these two buckets (a test holds them equal): floor() rather than
+                # int(), the same for these non-negative numbers in a third of the time
                 rms, tms = floor((rcap - rlevel) * 60000.0 / rcap + 0.5), floor((tcap - tlevel) * 60000.0 / tcap + 0.5)
                 rhead, thead = plan.common_heads
                 lines = (f"{rhead}{floor(rlevel)}\r\n"
                          f"x-ratelimit-reset-requests: {MS_TEXTS[rms] if rms < 1000 else reset_text(rms)}\r\n"
                          f"{thead}{floor(tlevel)}\r\n"
                          f"x-ratelimit-reset-tokens: {MS_TEXTS[tms] if tms < 1000 else reset_text(tms)}\r\n")
-                st.limit = (plan, plan.caps, (rlevel, tlevel), tokens, False)
-                st.limit_lines = lines
                 self.unsettled += 1
-                return
+                return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False, lines)
         costs = plan.costs(tokens)
         # With several processes and no shared store, this process's share: never below one request or the
         # tokens of this one.
@@ -327,51 +306,72 @@ class Limiter:
                                                    for c, cost in zip(plan.caps, costs)])
         refused, levels = self.local.take_slots(plan.slots, caps, costs, now)
         if refused >= 0:
-            self._refuse(st, plan, caps, levels, costs, refused)
-        st.limit = (plan, caps, levels, tokens, False)
-        st.limit_lines = plan_lines(plan, caps, levels)
-        self.unsettled += 1
+            self._refuse(plan, caps, levels, costs, refused)
+        return self._taken(plan, caps, levels, tokens, False)
 
-    async def reserve(self, st: RequestState, plan: Plan, tokens: int, cfg: LimitsConfig) -> None:
+    async def reserve(self, plan: Plan, tokens: int, cfg: LimitsConfig) -> Reservation:
         """take(), from the buckets shared through Redis when the state is (this process's, on its share of each
-        limit, when Redis does not answer in time)."""
+        limit, when Redis does not answer in time, fails or is full)."""
         shared = self.shared
         if shared is None:
-            return self.take(st, plan, tokens, self.local.clock())
+            return self.take(plan, tokens, self.local.clock())
         costs = plan.costs(tokens)
         result = await shared.take(plan.needs, costs, cfg.redis_timeout_s)
         if result is None:
-            return self.take(st, plan, tokens, self.local.clock(), self.local_share())
+            return self._alone(plan, tokens, costs, shared, cfg)
         refused, levels = result
+        plan.seen = levels
         if refused >= 0:
-            self._refuse(st, plan, plan.caps, levels, costs, refused)
-        st.limit = (plan, plan.caps, levels, tokens, True)
-        st.limit_lines = plan_lines(plan, plan.caps, levels)
+            self._refuse(plan, plan.caps, levels, costs, refused)
+        return self._taken(plan, plan.caps, levels, tokens, True)
+
+    def _alone(self, plan: Plan, tokens: int, costs: tuple[int, ...], shared: SharedBuckets,
+               cfg: LimitsConfig) -> Reservation:
+        """take() on this process's share while Redis is unusable. The share: the processes it last saw in Redis,
+        and never fewer than [limits] processes (what a process that never reached Redis goes by; a larger
+        count seen wins, so a deployment that grew is not counted short). This process's buckets carry over
+        from outage to outage (never refilled but by time), and at an outage's start come down to its share of
+        what Redis last said they held; what it takes is owed to Redis for when it is back."""
+        share = max(self.local_share(), cfg.processes)
+        now = self.local.clock()
+        if plan.outage != shared.outages:
+            plan.outage = shared.outages
+            seen = plan.seen
+            if seen is not None:
+                self.local.lower_slots(plan.slots, tuple([c / share for c in plan.caps]),
+                                       tuple([level / share for level in seen]), now)
+        held = self.take(plan, tokens, now, share)
+        shared.owe(plan.needs, costs)
+        return held
+
+    def _taken(self, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
+               shared: bool) -> Reservation:
         self.unsettled += 1
+        return Reservation(self, plan, caps, levels, tokens, shared, plan_lines(plan, caps, levels))
 
-    def _refuse(self, st: RequestState, plan: Plan, caps: tuple[float, ...], levels: list[float],
-                costs: tuple[int, ...], refused: int) -> NoReturn:
+    def _refuse(self, plan: Plan, caps: tuple[float, ...], levels: list[float], costs: tuple[int, ...],
+                refused: int) -> NoReturn:
         self.metrics.limit_refused(plan.needs[refused].kind)
-        assert st.principal is not None  # checked before the pipeline runs
-        raise refusal(st.principal.id, plan.needs, caps, levels, costs, plan_headers(plan, caps, levels))
+        raise refusal(plan.principal, plan.needs, caps, levels, costs, headers(plan.needs, caps, levels))
 
-    def settle(self, st: RequestState, r: Reservation) -> None:
+    def settle(self, r: Reservation, o: Outcome | None) -> None:
         """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
-        st.limit = None
         self.unsettled -= 1
-        plan, caps, _, tokens, shared = r
+        plan, caps = r.plan, r.caps
         if not plan.token_needs:
             return
-        o = st.outcome  # used_tokens(o), written out: this runs for every request of a limited key
-        delta = (o.prompt_tokens + o.completion_tokens if o is not None and o.result in CHARGED else 0) - tokens
+        # used_tokens(o), written out: this runs for every request of a limited key
+        delta = (o.prompt_tokens + o.completion_tokens if o is not None and o.result in CHARGED else 0) - r.tokens
         if delta == 0:
             return
-        if shared and self.shared is not None:
+        if r.shared and self.shared is not None:
             self.shared.settle(plan.token_needs, delta)
-        elif plan.common and caps is plan.caps:  # the usual plan at whole limits: one tokens bucket
-            t, cap, now = plan.slots[1], caps[1], self.local.clock()
-            level = t[0] + (now - t[1]) * plan.rates[1]
-            t[0] = (cap if level > cap else level) - delta
+            return
+        if self.shared is not None:  # decided alone while Redis was unusable: what it used is owed there too
+            self.shared.owe(plan.token_needs, [delta] * len(plan.token_needs))
+        if plan.common and caps is plan.caps:  # the usual plan at whole limits: one tokens bucket
+            t, now = plan.slots[1], self.local.clock()
+            t[0] = level_at(t, caps[1], now) - delta
             t[1] = now
         else:
             token_caps = plan.token_caps if caps is plan.caps else tuple(

@@ -1,5 +1,5 @@
 """Rate-limit buckets shared by replicas through Redis: one atomic script per request, settlement batched off the
-request path, and this process's own share of each limit while Redis is slow or down."""
+request path, and what this process decides alone (on its share while Redis is slow, down or full) owed back."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import StateConfig
+from gateway.limits.buckets import Need
 from gateway.limits.resp import RespConnection, RespError
 
 if TYPE_CHECKING:
-    from gateway.limits.limiter import Need
     from gateway.observe.metrics import Metrics
 
 log = logging.getLogger("shapegate.limits")
@@ -24,21 +24,45 @@ PROBE_S = 0.5  # while Redis is unusable, it is asked this often whether it is b
 MAX_BATCH = 512  # buckets per settlement call
 
 # The level of bucket i now: its stored level refilled at limit/60 per second since it was stored, at most the
-# limit; an absent key is a full bucket. Redis's own clock (TIME, in ms), so replicas' clocks never matter.
+# limit (gateway/limits/buckets.py's level_at); an absent key is a full bucket. Redis's own clock (TIME, in ms),
+# so replicas' clocks never matter.
+# A malformed bucket (not a hash, a field missing or not a finite number) starts again EMPTY, rewritten at once,
+# that key's alone: nothing tells how much of its limit was spent, and an empty bucket can hand out no credit that
+# may already be gone (full could pass a whole limit more), while it costs the key at most a minute's refill. Any
+# error raised here would fail the check and send this process to its local share for every key, hence pcall.
+# A stamp ahead of Redis's clock (set back) keeps its level, restamped now: no refill is owed for time to come.
 _LEVEL = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = #KEYS
-local function level(i, limit)
-  local v = redis.call('HMGET', KEYS[i], 'l', 't')
-  if not v[1] then return limit end
-  return math.min(limit, tonumber(v[1]) + math.max(now - tonumber(v[2]), 0) * limit / 60000)
-end
 local function store(i, limit, l)
   if l >= limit then redis.call('DEL', KEYS[i]) return end
   redis.call('HSET', KEYS[i], 'l', string.format('%.17g', l), 't', string.format('%d', now))
   -- The key lives until its bucket would be full again: an expired key is a full bucket.
   redis.call('PEXPIRE', KEYS[i], math.ceil((limit - l) * 60000 / limit) + 1000)
+end
+local function finite(x)
+  return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
+end
+local function level(i, limit)
+  local v = redis.pcall('HMGET', KEYS[i], 'l', 't')
+  if v.err then
+    redis.call('DEL', KEYS[i])
+    store(i, limit, 0)
+    return 0
+  end
+  if not v[1] and not v[2] then return limit end
+  local l, at = tonumber(v[1]), tonumber(v[2])
+  if not (finite(l) and finite(at)) then
+    store(i, limit, 0)
+    return 0
+  end
+  if at > now then
+    l = math.min(limit, l)
+    store(i, limit, l)
+    return l
+  end
+  return math.min(limit, l + (now - at) * limit / 60000)
 end
 """
 # ARGV: n limits, then n costs. All buckets or none are charged. Returns the first bucket without room (0: none)
@@ -69,24 +93,32 @@ return n
 """
 
 FAILURES = (RespError, OSError, TimeoutError)  # ConnectionError is an OSError
+# A reply that is not TAKE's (a script of another version under the same name, a proxy's answer): a failure too.
+TAKE_FAILURES = (*FAILURES, ValueError, TypeError, IndexError)
 SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE)}
+PROBE_LIMIT = 1 << 30  # the probe's bucket: never short, so that every probe writes
 
 
 class SharedBuckets:
     """The buckets in Redis, over one pipelined connection per process (see gateway/limits/resp.py). take() answers None
-    whenever this process must decide alone: Redis failed or did not answer within the limit check's timeout
-    (counted by reason), or is known to be unusable; a probe off the request path reconnects and brings the
-    shared buckets back as soon as Redis answers."""
+    whenever this process must decide alone: Redis failed, answered with an error (a full Redis: OOM), or did not
+    answer within the limit check's timeout (counted by reason), or is known to be unusable; a probe off the
+    request path brings the shared buckets back once Redis takes a write again. What this process took alone is
+    owed to the shared buckets and charged there when Redis is back (settle-like, off the request path)."""
 
     def __init__(self, state: StateConfig, metrics: Metrics) -> None:
         self.url = state.redis_url
         self.prefix = f"{state.key_prefix}ratelimit:"
+        self.probe_key = f"{state.key_prefix}ratelimit-probe"  # a bucket of the probe's own, beside the keys' ones
         self.background_timeout_s = state.redis_timeout_s
         self.metrics = metrics
         self.conn: RespConnection | None = None
         self.up = False  # until connected (at start-up, by running())
-        self.on_recover = lambda: None  # set by the limiter: its local buckets start afresh at the next outage
+        self.outages = 0  # times Redis became unusable: the limiter lowers a plan's local buckets once per outage
         self._pending: dict[str, list[int]] = {}  # bucket -> [limit, tokens to charge]; one entry per bucket
+        # bucket -> [limit, what this process took alone]: kept across outages (bounded by the number of buckets)
+        # and at most a limit each (what was taken more than a minute ago has been refilled by now anyway).
+        self._owed: dict[str, list[int]] = {}
         self._probe: asyncio.Task | None = None
         self.dropped = 0  # settlements lost to a failed or unusable Redis
 
@@ -110,15 +142,14 @@ class SharedBuckets:
         try:
             async with asyncio.timeout(timeout_s):
                 out = await self._eval(TAKE, [self.prefix + n.name for n in needs], [*(n.limit for n in needs), *costs])
+            return int(out[0]) - 1, [float(v) for v in out[1:]]
         except TimeoutError as e:
             self.metrics.limit_local("timeout")
             self._down(e)
-            return None
-        except FAILURES as e:
+        except TAKE_FAILURES as e:
             self.metrics.limit_local("error")
             self._down(e)
-            return None
-        return int(out[0]) - 1, [float(v) for v in out[1:]]
+        return None
 
     def settle(self, needs: tuple[Need, ...], delta: int) -> None:
         """Queue a settlement; merged per bucket, so what waits is bounded by the number of buckets."""
@@ -129,55 +160,82 @@ class SharedBuckets:
             else:
                 entry[0], entry[1] = n.limit, entry[1] + delta
 
+    def owe(self, needs: tuple[Need, ...], costs: Sequence[int]) -> None:
+        """What this process took from (or, settling, gave back to) its own buckets while deciding alone: charged
+        to the shared buckets once Redis takes writes again, so that an outage's takes are not granted twice."""
+        for n, cost in zip(needs, costs):
+            self._owe(n.name, n.limit, cost)
+
+    def _owe(self, name: str, limit: int, amount: int) -> None:
+        entry = self._owed.get(name)
+        if entry is None:
+            self._owed[name] = [limit, min(limit, amount)]
+        else:
+            entry[0], entry[1] = limit, min(limit, entry[1] + amount)
+
     def _down(self, e: BaseException) -> None:
         """Redis failed or is too slow: every check decides locally until the probe finds it answering again."""
         if not self.up:
             return
         self.up = False
+        self.outages += 1
         if self.conn is not None:
             self.conn.close()  # a connection that missed a deadline may answer late: start the next one clean
-        log.warning("rate limits enforced per process (this one's share) until Redis answers again: %s",
+        log.warning("rate limits enforced per process (this one's share) until Redis takes writes again: %s",
                     str(e) or type(e).__name__)
         self._probe = asyncio.create_task(self._probe_until_up(), name="limits-probe")
 
-    async def _connect(self) -> None:
+    async def _connect(self, write: bool = False) -> None:
+        """Connected and the scripts loaded; with `write`, a charge taken too: PING and SCRIPT LOAD pass on a full
+        Redis (maxmemory, noeviction) where every charge fails, so the probe charges a bucket of its own."""
         async with asyncio.timeout(self.background_timeout_s):
             if self.conn is None or not self.conn.is_open:
                 self.conn = await RespConnection.open(self.url)
             await self.conn.call("PING")
             for script in (TAKE, SETTLE):  # loaded once up front: checks then send only the digest
                 await self.conn.call("SCRIPT", "LOAD", script)
+            if write:
+                await self.conn.call("EVALSHA", SHA[TAKE], 1, self.probe_key, PROBE_LIMIT, 1)
 
     async def _probe_until_up(self) -> None:
         while True:
             await asyncio.sleep(PROBE_S)
             try:
-                await self._connect()
+                await self._connect(write=True)
             except FAILURES:
                 if self.conn is not None:
                     self.conn.close()
                 continue
-            self.on_recover()
             self.up = True
             log.warning("rate limits shared through Redis again")
             return
 
-    async def flush(self) -> None:
-        """Send what is queued: a failure drops it (counted) rather than let it grow or hold anyone up."""
-        while self._pending:
-            batch = list(self._pending.items())[:MAX_BATCH]
-            for name, _ in batch:
-                del self._pending[name]
+    async def _send(self, entries: dict[str, list[int]]) -> dict[str, list[int]]:
+        """SETTLE `entries` in batches while Redis takes them; returns what was not sent (Redis down or failing)."""
+        items = list(entries.items())
+        for start in range(0, len(items), MAX_BATCH):
+            batch = items[start:start + MAX_BATCH]
             if not self.up:
-                self.dropped += len(batch)
-                continue
+                return dict(items[start:])
             try:
                 async with asyncio.timeout(self.background_timeout_s):
                     await self._eval(SETTLE, [self.prefix + name for name, _ in batch],
                                      [*(v[0] for _, v in batch), *(v[1] for _, v in batch)])
             except FAILURES as e:
-                self.dropped += len(batch)
                 self._down(e)
+                return dict(items[start:])
+        return {}
+
+    async def flush(self) -> None:
+        """Send what is queued: a failure drops settlements (counted) rather than let them hold anyone up, and
+        keeps what is owed (merged with what is owed since) for the next time Redis is usable."""
+        if self._owed and self.up:
+            owed, self._owed = self._owed, {}
+            for name, (limit, amount) in (await self._send(owed)).items():
+                self._owe(name, limit, amount)  # possibly charged already (a late reply): erring on the limit's side
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            self.dropped += len(await self._send(pending))
 
     async def _settle_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -193,7 +251,7 @@ class SharedBuckets:
             await self._connect()
             self.up = True
         except FAILURES as e:
-            self.up = True  # so that _down() logs it and starts the probe
+            self.up = True  # so that _down() logs it, counts the outage and starts the probe
             self._down(e)
         stop = asyncio.Event()
         loop = asyncio.create_task(self._settle_loop(stop), name="limits-settle")

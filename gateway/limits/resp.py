@@ -1,5 +1,11 @@
 """A pipelined Redis connection for the request path: commands written back to back on one socket, replies
-matched in order, no connection pool and no handshake beyond AUTH and SELECT."""
+matched in order, no connection pool and no handshake beyond AUTH and SELECT.
+
+The request path's own, while the modules off it use redis-py: a rate-limit check waits at most [limits]
+redis_timeout_s (50 ms), and redis-py drops its connection when a wait for a reply is cancelled (each late
+reply would cost a reconnect), where here the reply is still read and the connection kept. redis-py also takes a
+pooled connection per command in flight; here the checks of concurrent requests share one socket, their commands
+sent together at the end of the loop turn."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""What the gateway reports about itself: Prometheus metrics and the event loop's health."""
+"""What the gateway reports about itself: Prometheus metrics, the access log and the event loop's health."""

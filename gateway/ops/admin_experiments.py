@@ -8,9 +8,11 @@ import time
 import orjson
 from aiohttp import web
 
+from gateway.config_experiments import weight_problem
 from gateway.errors import GatewayError, bad_request
-from gateway.experiments.experiment import check_change, report
-from gateway.routing.request import GATEWAY
+from gateway.experiments.experiment import check_change
+from gateway.experiments.report import report
+from gateway.runtime import GATEWAY
 
 EXPERIMENT_SHARE: web.AppKey = web.AppKey("experiment_share")
 CHANGES = ("weights", "enabled", "fraction")
@@ -36,6 +38,13 @@ async def list_experiments(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(await experiments_report(request.app)), content_type="application/json")
 
 
+def _weights_problem(weights: object) -> str | None:
+    """Weights past MAX_WEIGHT (check_change has taken the rest): their total could pass a float's range."""
+    if not isinstance(weights, dict):
+        return None
+    return next((why for name, w in weights.items() if (why := weight_problem(str(name), w)) is not None), None)
+
+
 async def change_experiment(request: web.Request) -> web.Response:
     """Weights (a canary ramp), enabled (stop or restart) or a shadow's fraction; all or nothing."""
     g = request.app[GATEWAY]
@@ -53,7 +62,7 @@ async def change_experiment(request: web.Request) -> web.Response:
     unknown = sorted(k for k in change if k not in CHANGES)
     if unknown:
         raise bad_request(f"Unknown field {unknown[0][:64]!r}; expected {', '.join(CHANGES)}.", param=unknown[0][:64])
-    why = check_change(x, change)
+    why = check_change(x, change) or _weights_problem(change.get("weights"))
     if why is not None:
         param = next((k for k in CHANGES if k in change and k in why), None)
         raise bad_request(f"No change made: {why}.", param=param, code="invalid_experiment_change")

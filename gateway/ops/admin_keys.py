@@ -1,8 +1,10 @@
-"""POST /admin/keys (make a key, shown once), GET /admin/keys (list them), DELETE /admin/keys/{id} (revoke)."""
+"""POST /admin/keys (make a key, shown once), GET /admin/keys (list them), DELETE /admin/keys/{id} (revoke);
+and what ties a dashboard session to a live admin key."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import orjson
 from aiohttp import web
@@ -17,12 +19,15 @@ from gateway.keys.keystore import (
     KeyRecord,
     StoreUnavailable,
 )
-from gateway.routing.request import GATEWAY
-from gateway.runtime import Gateway
+from gateway.keys.principal import hash_key
+from gateway.keys.storage import MAX_RUNTIME_KEYS, TooManyKeys
+from gateway.runtime import GATEWAY, Gateway
 
 log = logging.getLogger("shapegate.keys")
 # The reply to POST holds the only copy of the key: no cache along the way may keep it.
 NO_STORE = {"Cache-Control": "no-store"}
+# What `shapegate keys new` and POST /admin/keys make (gateway/keys/principal.py new_key): never an id.
+GENERATED_KEY = re.compile(r"sg-[A-Za-z0-9_-]{43}")
 
 
 class NewKey(BaseModel):
@@ -69,16 +74,49 @@ def _config_ids(g: Gateway) -> frozenset[str]:
     return frozenset(k.id for k in g.cfg.auth.keys)
 
 
+def refuse_key_as_id(g: Gateway, text: str | None) -> None:
+    """A 400 that neither echoes nor logs `text` when it is an API key (one of ours, or shaped like the ones the
+    gateway makes) given where an id belongs: ids are shown in logs, listings, URLs and error messages."""
+    if text is None:
+        return
+    if GENERATED_KEY.fullmatch(text) is None:
+        digest = hash_key(text)
+        if digest not in g.keys.by_digest and all(k.sha256 != digest for k in g.cfg.auth.keys):
+            return
+    log.warning("an API key was given where a key id belongs; refused (the key is not logged)")
+    raise GatewayError(400, "That is an API key, not a key id: it was neither kept nor logged. Give the key's id "
+                       "(GET /admin/keys lists them); if the key has been seen by others, revoke it.",
+                       param="id", code="key_given_as_id")
+
+
+def admin_binding(g: Gateway, principal_id: str) -> bytes | None:
+    """What a dashboard session of `principal_id` is bound to (gateway/dashboard/session.py): the digest of its
+    admin key, looked up afresh in the running configuration and the run-time keys; None when there is no such
+    key now (revoked, no longer admin, or an id both the configuration and a run-time key hold)."""
+    if not g.cfg.auth.enabled:
+        return b"auth-disabled"  # every request is admin; such a session ends when auth is turned on
+    runtime = g.keys.records.get(principal_id)
+    configured = next((k for k in g.cfg.auth.keys if k.id == principal_id), None)
+    if (runtime is None) == (configured is None):
+        return None
+    key = configured if configured is not None else runtime
+    return key.sha256.encode() if key is not None and key.admin else None
+
+
 async def create_key(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
     g.auth.require_admin(request.headers)
     spec = parse_new_key(await request.read())
+    refuse_key_as_id(g, spec.id)
     try:
         key, rec = await g.keys.create(spec.id, spec.admin, spec.limits, taken=_config_ids(g))
     except KeyExists:
         raise GatewayError(409, f"A key with id {spec.id or '(generated)'!r} exists already; choose another id "
                            "or revoke it first.",
                            param="id", code="key_exists") from None
+    except TooManyKeys:
+        raise GatewayError(409, f"The key store holds {MAX_RUNTIME_KEYS} run-time keys, the most it takes; revoke "
+                           "keys no longer used first.", code="too_many_keys") from None
     except StoreUnavailable as e:
         raise unavailable(e) from None
     log.info("API key %s created (admin: %s, store: %s)", rec.id, rec.admin, g.keys.kind)
@@ -105,7 +143,11 @@ async def revoke_key(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
     g.auth.require_admin(request.headers)
     key_id = request.match_info["id"]
-    if key_id in _config_ids(g):
+    refuse_key_as_id(g, key_id)
+    # A run-time key always can be revoked, even under an id the configuration also holds (a replica whose
+    # configuration differs made it): only a configured key alone is read-only here.
+    configured = key_id in _config_ids(g)
+    if configured and key_id not in g.keys.records:
         raise GatewayError(409, f"Key {key_id!r} comes from the configuration file and is read-only here: remove "
                            "it from [[auth.keys]] and reload.", param="id", code="key_in_config")
     try:
@@ -115,5 +157,6 @@ async def revoke_key(request: web.Request) -> web.Response:
             from None
     except StoreUnavailable as e:
         raise unavailable(e) from None
-    log.info("API key %s revoked (store: %s)", key_id, g.keys.kind)
+    log.info("API key %s revoked (store: %s)%s", key_id, g.keys.kind,
+             "; the configured key of that id stays" if configured else "")
     return _json({"object": "api_key", "id": key_id, "deleted": True})

@@ -13,8 +13,7 @@ from gateway.keys.auth import Authenticator
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_config
 from gateway.errors import GatewayError
 from gateway.experiments.experiment import Experiments
-from gateway.routing.request import GATEWAY
-from gateway.runtime import build_policy, build_routing
+from gateway.runtime import GATEWAY, build_policy, build_routing
 
 log = logging.getLogger("shapegate.reload")
 
@@ -64,8 +63,20 @@ def plan(old: GatewayConfig, new: GatewayConfig) -> ReloadPlan:
     return p
 
 
+def held_at_run_time(g, new: GatewayConfig) -> None:
+    """ConfigError when a configured key's id is one a run-time key holds: the two would answer to one id, and
+    the run-time key could no longer be revoked by it. The reload is refused (the running configuration stays)
+    rather than the run-time key revoked behind its owner's back: the operator revokes it, or picks another id."""
+    held = sorted({k.id for k in new.auth.keys} & g.keys.records.keys())
+    if held:
+        raise ConfigError(f"[[auth.keys]] id(s) {', '.join(map(repr, held))} are held by run-time keys (POST "
+                          "/admin/keys): revoke those first (DELETE /admin/keys/<id>) or give the configured keys "
+                          "other ids")
+
+
 def apply(g, new: GatewayConfig) -> ReloadPlan:
     """Build everything the new config needs, then swap it in with no await in between."""
+    held_at_run_time(g, new)
     p = plan(g.cfg, new)
     auth = Authenticator(new.auth, g.keys)  # the run-time keys belong to the gateway: they stay
     # Unchanged routing keeps the policies and what they learned.

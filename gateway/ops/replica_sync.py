@@ -16,7 +16,10 @@ import orjson
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
+from gateway.errors import MAX_RETRY_AFTER_S
+from gateway.ops.replica_checks import FIT_LEN, MALFORMED, SVC_LEN, implausible, max_hold_s, read_entry
 from gateway.stats.rolling import LatencyModel
+from gateway.stats.share import wall_time
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import BackendState, Pool
@@ -28,8 +31,7 @@ TICK_S = 0.2  # breaker openings go out, and the others' come in, at this pace
 LATENCY_EVERY_S = 2.0  # latency sums go out, and the others' come in, at this pace
 LATENCY_KEY = "latency"  # a hash: a field per process, its own learning per backend
 BREAKER_KEY = "breakers"  # a hash: a field per backend, the latest opening any process saw there
-BREAKER_KEEP_S = 180.0  # longer than any hold (an engine's Retry-After is capped at 120 s)
-FIT_LEN, SVC_LEN = 30, 2  # the sums of LatencyModel's fit (5 parameters) and of its service time
+BREAKER_KEEP_S = 180.0  # longer than any hold (an engine's Retry-After is capped at 120 s; see max_hold_s)
 ERRORS = (RedisError, OSError, TimeoutError)
 
 
@@ -40,35 +42,41 @@ def latency_keep_s(half_life_s: float) -> float:
 
 @dataclass(slots=True)
 class Folded:
-    """The entry of one (process, backend) this process folded in last: the next one adds only what is new."""
+    """The entry of one (process, backend) this process folded in last, and what of it is in our model now."""
 
     model: LatencyModel  # ours it went into (a reload that replaces the backend starts a new model)
     epoch: str  # the publisher's model it came from
     t: float  # wall time the publisher took its sums
-    n: int
-    fit: list[float]
+    n: int  # its requests (each counted once among the imports, however often the entry comes and goes)
+    fit: list[float] | None  # what of it our model holds, as of `at` (None: withdrawn, the entry went)
     svc: list[float]
+    at: float  # monotonic
 
-
-def _floats(v: object, n: int) -> list[float]:
-    if not isinstance(v, list) or len(v) != n:
-        raise ValueError(f"expected {n} numbers")
-    out = [float(x) for x in v]
-    if not all(math.isfinite(x) for x in out):
-        raise ValueError("a sum is not finite")
-    return out
+    def held(self, model: LatencyModel, now_mono: float) -> tuple[list[float], list[float], int]:
+        """What of this entry `model` holds now: its sums decayed since they went in, and its requests."""
+        if self.fit is None or self.model is not model:
+            return [0.0] * FIT_LEN, [0.0] * SVC_LEN, 0
+        f = 0.5 ** (max(now_mono - self.at, 0.0) / model.half_life)
+        return [v * f for v in self.fit], [v * f for v in self.svc], self.n
 
 
 class LatencyShare:
     """Each process publishes, per backend, the decayed sums of what its latency model learned itself (its own
-    requests only). They are cumulative: a reader that missed rounds, or a replica that starts, takes them whole
-    once and then only what each new entry adds (the entry less the previous one decayed to the new one's time),
-    so nothing is counted twice, and what a replica took from others is never published back."""
+    requests only). They are cumulative: a reader holds of each entry exactly its latest sums, decayed from when
+    they were taken, and adds only the difference when a newer one comes, so nothing is counted twice, and what a
+    replica took from others is never published back.
+
+    An entry is checked before anything of it is taken (read_entry, its time, implausible): one that fails is
+    logged once and left out, and what an earlier one of the same process gave stays. When an entry goes from
+    Redis, what it gave goes too, within one round: a bad value never outlives its removal. After Redis lost
+    its data that is everyone's learning for a moment; each process writes its sums again within
+    LATENCY_EVERY_S and they are taken back whole (their requests not counted again)."""
 
     def __init__(self, me: str) -> None:
         self.me = me  # this process's field
         self._epochs: dict[str, tuple[LatencyModel, str]] = {}
         self._folded: dict[tuple[str, str], Folded] = {}
+        self._refused: dict[tuple[str, str], str] = {}  # entries left out, and why (each logged once)
 
     def _epoch(self, backend: str, model: LatencyModel) -> str:
         known = self._epochs.get(backend)
@@ -88,47 +96,81 @@ class LatencyShare:
 
     def fold(self, entries: Mapping[str, bytes], backends: Mapping[str, BackendState], now_wall: float,
              now_mono: float) -> int:
-        """Fold in what the other processes' entries add since they were last folded; returns the requests."""
+        """Fold in what the other processes' entries add since they were last folded, withdraw what entries
+        gone from Redis gave; returns the requests newly learned from."""
         imported = 0
+        present: set[tuple[str, str]] = set()
+        unreadable: set[str] = set()  # fields that say nothing: what they gave before stays until they go
         for field, raw in entries.items():
             if field == self.me:
                 continue  # our own learning is in our model already
             try:
                 data = orjson.loads(raw)
-                t, per_backend = float(data["t"]), data["b"]
-                for bid, entry in per_backend.items():
-                    b = backends.get(bid)
-                    if b is not None:
-                        imported += self._fold_one((field, bid), b.latency, entry, t, now_wall, now_mono)
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-                log.warning("ignoring a malformed latency entry of %s: %r", field, e)
+                t, per_backend = wall_time(data["t"], now_wall), data["b"]
+                if t is None:
+                    raise ValueError(f"taken at {data['t']!r}, not a time of the last while")
+                if not isinstance(per_backend, dict):
+                    raise TypeError("no backends")
+            except MALFORMED as e:
+                unreadable.add(field)
+                self._refuse((field, ""), "malformed", f"ignoring a malformed latency entry of {field!r}: {e!r}")
+                continue
+            self._refused.pop((field, ""), None)
+            for bid, entry in per_backend.items():
+                key = (field, bid)
+                present.add(key)
+                b = backends.get(bid)
+                if b is None:
+                    continue
+                try:
+                    imported += self._fold_one(key, b.latency, read_entry(entry), t, now_wall, now_mono)
+                except MALFORMED as e:
+                    why = f"ignoring a malformed latency entry of {field!r} for {bid}: {e!r}"
+                    self._refuse(key, "malformed", why)
+        for key, f in self._folded.items():
+            if f.fit is not None and key not in present and key[0] not in unreadable:
+                self._withdraw(f, now_mono)
+        for key in [k for k in self._refused if k[0] not in entries]:
+            del self._refused[key]
         return imported
 
-    def _fold_one(self, key: tuple[str, str], model: LatencyModel, entry: dict, t: float, now_wall: float,
-                  now_mono: float) -> int:
-        epoch, n = str(entry["e"]), int(entry["n"])
-        fit, svc = _floats(entry["f"], FIT_LEN), _floats(entry["s"], SVC_LEN)
+    def _fold_one(self, key: tuple[str, str], model: LatencyModel, entry: tuple[str, int, list[float], list[float]],
+                  t: float, now_wall: float, now_mono: float) -> int:
+        epoch, n, fit, svc = entry
         prev = self._folded.get(key)
-        hl = model.half_life
-        if prev is not None and prev.model is model and prev.epoch == epoch:
-            if t <= prev.t:
-                return 0  # seen already
-            f = 0.5 ** ((t - prev.t) / hl)  # what we folded last, as it stands at this entry's time
-            add_fit = [c - p * f for c, p in zip(fit, prev.fit)]
-            add_svc = [c - p * f for c, p in zip(svc, prev.svc)]
-            requests = max(n - prev.n, 0)
-        else:  # new to us (or a new model on either side): the whole of it
-            add_fit, add_svc, requests = fit, svc, n
-        age = 0.5 ** (max(now_wall - t, 0.0) / hl)  # decayed from when it was taken to now
-        model.absorb([v * age for v in add_fit], [v * age for v in add_svc], requests, now_mono)
-        self._folded[key] = Folded(model, epoch, t, n, fit, svc)
-        return requests
+        same = prev is not None and prev.model is model and prev.epoch == epoch
+        if same and prev is not None and prev.fit is not None and t <= prev.t:
+            return 0  # seen already
+        age = 0.5 ** (max(now_wall - t, 0.0) / model.half_life)  # decayed from when it was taken to now
+        want_fit, want_svc = [v * age for v in fit], [v * age for v in svc]
+        had_fit, had_svc, had_n = prev.held(model, now_mono) if prev is not None else ([0.0] * FIT_LEN,
+                                                                                          [0.0] * SVC_LEN, 0)
+        add_fit = [w - h for w, h in zip(want_fit, had_fit)]
+        add_svc = [w - h for w, h in zip(want_svc, had_svc)]
+        why = implausible(model, add_fit, add_svc, now_mono)
+        if why is not None:
+            self._refuse(key, "implausible", f"not taking the latency entry of {key[0]!r} for {key[1]}: {why}")
+            return 0
+        if self._refused.pop(key, None) is not None:
+            log.info("taking the latency entry of %r for %s again", *key)
+        model.absorb(add_fit, add_svc, n - had_n, now_mono)
+        self._folded[key] = Folded(model, epoch, t, n, want_fit, want_svc, now_mono)
+        return max(n - prev.n, 0) if same and prev is not None else n
+
+    def _withdraw(self, f: Folded, now_mono: float) -> None:
+        fit, svc, n = f.held(f.model, now_mono)
+        f.model.absorb([-v for v in fit], [-v for v in svc], -n, now_mono)
+        f.fit, f.svc = None, []
+
+    def _refuse(self, key: tuple[str, str], kind: str, why: str) -> None:
+        """Log an entry left out once (it is read again every round), not once a round."""
+        if self._refused.get(key) != kind:
+            log.warning("%s", why)
+        self._refused[key] = kind
 
     def forget_before(self, oldest_wall: float) -> None:
-        """Drop what is remembered of entries not updated since `oldest_wall` (a process gone long ago).
-
-        An entry missing from one read is not forgotten: after Redis loses its data the publisher writes the same
-        cumulative sums again, and only the remembered entry keeps them from being counted a second time."""
+        """Drop what is remembered of entries not updated since `oldest_wall` (a process gone long ago; its
+        entry was deleted from Redis, and what it gave withdrawn, long before)."""
         for key in [k for k, v in self._folded.items() if v.t < oldest_wall]:
             del self._folded[key]
 
@@ -164,31 +206,60 @@ class BreakerShare:
             if self.pending.get(bid) == until.get(bid):
                 del self.pending[bid]  # unless it opened again meanwhile
 
-    def apply(self, rows: Mapping[str, bytes], pool: Pool, now_wall: float, now_mono: float) -> int:
-        """Apply the openings other processes wrote since the last read; returns how many held a breaker open."""
+    def apply(self, rows: Mapping[str, bytes], pool: Pool, now_wall: float, now_mono: float,
+              max_hold: float = MAX_RETRY_AFTER_S) -> int:
+        """Apply the openings other processes wrote since the last read; returns how many held a breaker open.
+
+        An entry is read as a client's input: its hold is cut to `max_hold` (the longest this gateway holds a
+        breaker open on its own: max_hold_s), one written in the future is left out, and when an entry goes
+        (or another replaces it) the hold it applied ends with it (Breaker.end_hold)."""
         applied = 0
+        for bid in [bid for bid in self._seen if bid not in rows]:
+            del self._seen[bid]
+            self._end_hold(pool, bid, now_mono)
         for bid, raw in rows.items():
             if self._seen.get(bid) == raw:
                 continue
+            if bid in self._seen:
+                self._end_hold(pool, bid, now_mono)
             self._seen[bid] = raw
             try:
-                e = orjson.loads(raw)
-                by, at, hold_s = str(e["by"]), float(e["at"]), float(e["hold_s"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                log.warning("ignoring a malformed breaker entry for %s: %r", bid, err)
+                left = self._left(raw, now_wall, max_hold)
+            except MALFORMED as err:
+                log.warning("ignoring a malformed breaker entry for %r: %r", bid, err)
                 continue
-            left = hold_s - max(now_wall - at, 0.0)
             b = pool.get(bid)
-            if by == self.me or b is None or not math.isfinite(left) or left <= 0:
+            if b is None or left is None or left <= 0:
                 continue
             if b.breaker.hold(now_mono + left, now_mono):
                 applied += 1
                 log.info("breaker of %s held open for %.1f s: it opened on another replica", bid, left)
         return applied
 
+    def _left(self, raw: bytes, now_wall: float, max_hold: float) -> float | None:
+        """What is left of another process's opening (None: it is this process's own)."""
+        e = orjson.loads(raw)
+        by, at, hold_s = e["by"], wall_time(e["at"], now_wall), e["hold_s"]
+        if not isinstance(by, str):
+            raise TypeError("no opener")
+        if at is None:
+            raise ValueError(f"opened at {e['at']!r}, not a time of the last while")
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not math.isfinite(hold_s):
+            raise ValueError(f"a hold of {hold_s!r}")
+        if by == self.me:
+            return None
+        return min(float(hold_s), max_hold) - max(now_wall - at, 0.0)
+
+    @staticmethod
+    def _end_hold(pool: Pool, bid: str, now_mono: float) -> None:
+        b = pool.get(bid)
+        if b is not None and b.breaker.end_hold(now_mono):
+            log.info("breaker of %s no longer held open: the other replica's entry is gone", bid)
+
 
 def _text(rows: Mapping) -> dict[str, bytes]:
-    return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in rows.items()}
+    # (errors="replace": a field name no replica writes must not stop the round that reads the others)
+    return {k.decode(errors="replace") if isinstance(k, bytes) else str(k): v for k, v in rows.items()}
 
 
 class ReplicaSync:
@@ -214,8 +285,7 @@ class ReplicaSync:
         """Watch breakers, pull what the other replicas know (so the first request routes on it), start the loop."""
         self = cls(g)
         g.pool.watch_breakers(self.breakers.opened)
-        await self.breaker_round()
-        await self.latency_round()
+        await self._round(latency=True)
         self._task = asyncio.create_task(self._loop(), name="replica-sync")
         return self
 
@@ -238,13 +308,18 @@ class ReplicaSync:
             self.breakers.wake.clear()
             if self._stopping:
                 break
-            try:
-                await self.breaker_round()
-                if time.monotonic() >= next_latency:
-                    next_latency = time.monotonic() + LATENCY_EVERY_S
-                    await self.latency_round()
-            except Exception:  # a bug here must not end the sharing for good, nor the shutdown
-                log.exception("replica sync round failed")
+            latency = time.monotonic() >= next_latency
+            if latency:
+                next_latency = time.monotonic() + LATENCY_EVERY_S
+            await self._round(latency)
+
+    async def _round(self, latency: bool) -> None:
+        try:
+            await self.breaker_round()
+            if latency:
+                await self.latency_round()
+        except Exception:  # a bug here must not end the sharing for good, nor the start-up, nor the shutdown
+            log.exception("replica sync round failed")
 
     async def breaker_round(self) -> None:
         """Write this process's new openings and read everyone's, in one round trip."""
@@ -255,8 +330,9 @@ class ReplicaSync:
             async with asyncio.timeout(self._timeout), self._client.pipeline(transaction=False) as p:
                 for bid, entry in out.items():
                     p.hset(self._breaker_key, bid, entry)
-                if out:
-                    p.pexpire(self._breaker_key, int(BREAKER_KEEP_S * 1000))
+                if out:  # (a longer [health] breaker_open_s keeps the entries longer: a hold ends with its entry)
+                    keep = max(BREAKER_KEEP_S, max_hold_s(self.g.cfg.health) + 60.0)
+                    p.pexpire(self._breaker_key, int(keep * 1000))
                 p.hgetall(self._breaker_key)
                 rows = (await p.execute())[-1]
         except ERRORS as e:
@@ -264,7 +340,8 @@ class ReplicaSync:
             return
         self._succeeded()
         self.breakers.sent(out, until)
-        applied = self.breakers.apply(_text(rows), self.g.pool, time.time(), time.monotonic())
+        applied = self.breakers.apply(_text(rows), self.g.pool, time.time(), time.monotonic(),
+                                      max_hold_s(self.g.cfg.health))
         if applied:
             self.g.metrics.replica_import("breaker", applied)
 
@@ -292,7 +369,7 @@ class ReplicaSync:
         if imported:
             g.metrics.replica_import("latency", imported)
         self.latency.forget_before(now_wall - 3 * keep)
-        stale = [f for f, raw in rows.items() if f != self.me and _taken_before(raw, now_wall - keep)]
+        stale = [f for f, raw in rows.items() if f != self.me and not _usable(raw, now_wall, keep)]
         if stale:
             with contextlib.suppress(*ERRORS):
                 async with asyncio.timeout(self._timeout):
@@ -311,8 +388,10 @@ class ReplicaSync:
             self._failing = False
 
 
-def _taken_before(raw: bytes, when: float) -> bool:
+def _usable(raw: bytes, now_wall: float, keep: float) -> bool:
+    """Whether an entry may still be of use: readable, taken within `keep` and not in the future (an entry
+    that is neither is deleted: nobody can use it, and it would never grow old)."""
     try:
-        return float(orjson.loads(raw)["t"]) < when
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return True  # unreadable: nobody can use it
+        return wall_time(orjson.loads(raw)["t"], now_wall, keep) is not None
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -16,6 +17,9 @@ from gateway.stats.share import REPLICA_ENV, STATS_DIR_ENV, WORKERS_ENV, new_rep
 
 log = logging.getLogger("shapegate")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The dashboard's cookie-signing secret of a group without [dashboard] session_secret_env: made once here, so
+# that a sign-in holds on whichever worker the kernel hands a connection to (gateway/app.py reads it).
+GROUP_SECRET_ENV = "SHAPEGATE_GROUP_SESSION_SECRET"
 
 
 def run_workers(n: int, worker: Callable[[], int]) -> int:
@@ -33,10 +37,12 @@ def run_workers(n: int, worker: Callable[[], int]) -> int:
         values.ValueClass = values.get_value_class()
     # Beside it, each worker's /stats summary (gateway/stats/share.py): any worker's /stats merges them all.
     stats_dir = os.path.join(metrics_dir, "stats")
-    os.mkdir(stats_dir)
+    os.mkdir(stats_dir, 0o700)  # the group's run-time keys file may be kept here: this user's only
     os.environ[STATS_DIR_ENV] = stats_dir
     os.environ[WORKERS_ENV] = str(n)
     os.environ[REPLICA_ENV] = new_replica_id()  # the workers are one replica to the others sharing Redis
+    # Only this user (and root) can read a process's environment; the workers are forked, nothing is executed.
+    os.environ[GROUP_SECRET_ENV] = secrets.token_urlsafe(32)
     children: set[int] = set()
     stopping = False
 
@@ -62,6 +68,7 @@ def run_workers(n: int, worker: Callable[[], int]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        os.environ.pop(GROUP_SECRET_ENV, None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 

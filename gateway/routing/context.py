@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import re
 from typing import Final
 
 from gateway.contracts import RequestShape
-from gateway.errors import GatewayError, no_backend
+from gateway.errors import CONTEXT_REFUSALS, GatewayError, no_backend
 
 # The prompt estimate has no tokenizer (about four characters a token), so the true count may be higher or
 # lower. Per model the gateway keeps a high and a low bound of true/estimated, learned from engines' usage
@@ -19,11 +18,6 @@ FLOOR_HIGH: Final = 1.0  # the bounds never cross the estimate itself
 CEIL_LOW: Final = 1.0
 MARGIN: Final = 1.05  # a bound sits this far past the ratio that moved it
 EASE: Final = 0.05  # how fast a bound drifts back towards recent ratios (it jumps at once towards a worse one)
-# How engines word the prompt's size in their context errors, and whether the figure is exact: vLLM (older,
-# then 0.32, which stops counting past the limit), SGLang's two messages, OpenAI's own.
-_COUNTS: Final = ((re.compile(r"has (\d+) input tokens"), True), (re.compile(r"contains at least (\d+) input"), False),
-           (re.compile(r"The input \((\d+) tokens\)"), True), (re.compile(r"(\d+) tokens from the input"), True),
-           (re.compile(r"resulted in (\d+) tokens"), True))
 
 
 class PromptSizer:
@@ -75,10 +69,12 @@ def prompt_tokens_of(err: GatewayError) -> tuple[int | None, bool]:
     n = err.extra.get("n_prompt_tokens")  # llama.cpp
     if isinstance(n, int) and n > 0:
         return n, True
-    for pattern, exact in _COUNTS:
-        m = pattern.search(err.message)
-        if m:
-            return int(m.group(1)), exact
+    for wording in CONTEXT_REFUSALS:  # how each engine words the prompt's size, if it does
+        size = wording.size
+        if size is not None:
+            m = size.search(err.message)
+            if m:
+                return int(m.group(1)), wording.exact
     return None, False
 
 

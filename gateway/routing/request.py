@@ -1,22 +1,14 @@
-"""One client request as the pipeline carries it (RequestState), the server side it answers through (Exchange),
-and the app key the gateway is found under: what the pipeline, the runtime and the servers share."""
+"""One client request as the pipeline carries it (RequestState) and the server side it answers through (Exchange).
+
+A leaf: what features decide (rate limits, experiments, shadow copies, the key's holder) is typed here by the few
+members the pipeline and the request's end use, so that the state imports none of them; each feature returns its
+decision and the pipeline stores it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
-from aiohttp import web
-
-from gateway.keys.auth import Principal
 from gateway.contracts import Outcome, RequestShape
-
-if TYPE_CHECKING:
-    from gateway.experiments.experiment import Arm, Experiment
-    from gateway.limits.limiter import Reservation
-    from gateway.runtime import Gateway
-    from gateway.experiments.shadow import Tap
-
-GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 
 
 class Exchange(Protocol):
@@ -33,13 +25,84 @@ class Exchange(Protocol):
     async def read(self) -> bytes:
         """The whole body; raises a GatewayError (413, 408) when it is too large or too slow to come."""
 
-    def reply(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> Any:
-        """A whole response; the returned object (with .status) is the handler's result. `lines`: more headers,
-        rendered already as reply-head lines."""
+    def reply(self, status: int, headers: dict[str, str], body: bytes, lines: str = "") -> Reply:
+        """A whole response; the returned Reply is the handler's result. `lines`: more headers, rendered already
+        as reply-head lines."""
 
-    async def open_stream(self, headers: dict[str, str], lines: str = "") -> Any:
-        """Start a 200 event stream: the returned sink has write(data), write_eof(data) and .status, and for a
-        callback's writes `writable` and write_now(data, last)."""
+    async def open_stream(self, headers: dict[str, str], lines: str = "") -> EventStream:
+        """Start a 200 event stream (its head goes out with the first write)."""
+
+
+class Reply(Protocol):
+    """A reply under way or sent: its status is the request's."""
+
+    @property
+    def status(self) -> int: ...
+
+
+class EventStream(Reply, Protocol):
+    """The sink of a 200 event stream (gateway/routing/relay.py writes the engine's events to it)."""
+
+    @property
+    def writable(self) -> bool:
+        """Whether a write goes out now with nothing to wait for: the client is there and keeps up."""
+
+    def write_now(self, data: bytes, last: bool = False) -> None:
+        """A write from a callback, when `writable` (last: the stream's end)."""
+
+    async def write(self, data: bytes) -> None:
+        """Write, then wait while the client reads slower than the engine writes."""
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """The last write; a second call does nothing."""
+
+
+class Caller(Protocol):
+    """Who sent a request, as its API key says (gateway/keys): what the pipeline and the features read of it."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def admin(self) -> bool: ...
+
+
+class Held(Protocol):
+    """What a request took from its key's rate limits (gateway/limits/limiter.py's Reservation)."""
+
+    def headers(self) -> dict[str, str]:
+        """The x-ratelimit headers an error reply after it carries."""
+
+    def settle(self, o: Outcome | None) -> None:
+        """At the request's end: its tokens charged from the usage its last attempt reported."""
+
+
+class ExperimentRef(Protocol):
+    """An experiment a request takes part in (gateway/experiments/experiment.py), as its attempts and end read it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def arm_of(self, backend_id: str) -> str | None: ...
+
+    def record(self, arm: str, klass: str, o: Outcome) -> None: ...
+
+
+class ArmRef(Protocol):
+    """One arm of an experiment (gateway/experiments/experiment.py's Arm)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class Tap(Protocol):
+    """Where the reply goes when a shadow copy of the request went out (gateway/experiments/shadow.py)."""
+
+    def add(self, data: bytes) -> None:
+        """A piece of the reply the client got."""
+
+    def close(self, primary: Outcome | None) -> None:
+        """The request ended, with this last attempt (None: no backend was tried): the comparison may start."""
 
 
 class RequestState:
@@ -53,7 +116,7 @@ class RequestState:
         self.request_id = request_id
         self.ex = ex
         self.route = route  # "chat" | "completions" | "embeddings"
-        self.principal: Principal | None = None  # set once the API key is checked
+        self.principal: Caller | None = None  # set once the API key is checked
         self.t_in = 0.0  # perf_counter when the pipeline took the request
         self.raw = b""  # the body as the client sent it
         self.body: dict[str, Any] = {}  # ...parsed once
@@ -61,8 +124,8 @@ class RequestState:
         self.backend = ""
         self.reason = ""
         self.outcome: Outcome | None = None  # the last attempt's
-        self.split: Experiment | None = None  # the split experiment whose arms serve this request
-        self.shadow: tuple[Experiment, Arm] | None = None  # the shadow experiment and arm a copy may go to
-        self.tap: Tap | None = None  # where the reply goes when a copy went out (gateway/experiments/shadow.py)
-        self.limit: Reservation | None = None  # what it took from its key's rate limits (gateway/limits/limiter.py)
+        self.split: ExperimentRef | None = None  # the split experiment whose arms serve this request
+        self.shadow: tuple[ExperimentRef, ArmRef] | None = None  # the shadow experiment and arm a copy may go to
+        self.tap: Tap | None = None  # where the reply goes when a copy went out
+        self.limit: Held | None = None  # what it took from its key's rate limits
         self.limit_lines = ""  # ...and the x-ratelimit header lines its replies carry

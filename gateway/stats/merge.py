@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from gateway.stats import sketch
@@ -16,6 +17,9 @@ FIT_FIELDS = ("ttft_t0", "prefill_rate", "itl_a", "itl_b", "samples", "ttft_per_
 # Where workers disagree about a backend, the merged row shows the state that matters most to an operator.
 HEALTH_RANK = {"ready": 0, "starting": 1, "draining": 2, "unhealthy": 3}
 BREAKER_RANK = {"closed": 0, "half_open": 1, "open": 2}
+LOAD_FIELDS = ("running", "waiting", "kv_usage", "idle_slots")
+MAX_COUNT = 2 ** 53  # a count above this is no count (and sums of such would not fit the feed's JSON)
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, ArithmeticError)  # what a summary can raise
 
 
 def fold_counters(g, now: float) -> None:
@@ -66,13 +70,27 @@ def _acc() -> dict:
             **{d: {} for d in DISTRIBUTIONS}}
 
 
+def _count(v: object) -> int:
+    n = int(v)  # (a float's fraction dropped, as ever)
+    if not 0 <= n <= MAX_COUNT:
+        raise ValueError(f"a count of {n}")
+    return n
+
+
+def _finite(v: object, least: float = 0.0) -> float:
+    x = float(v)
+    if not least <= x < math.inf:
+        raise ValueError(f"{x!r} where a figure of at least {least:g} belongs")
+    return x
+
+
 def _read_class(c: dict, span: float) -> dict:
     """One class entry of a summary, checked, as an accumulator: rates add up per process (over its own span)."""
-    n = [int(v) for v in c["n"]]
+    n = [_count(v) for v in c["n"]]
     if len(n) != len(ATTEMPT_RESULTS):
         raise ValueError(f"{len(n)} result counts")
-    tokens = int(c["tokens"])
-    return {"n": n, "tokens": tokens, "rps": sum(n) / span, "tps": tokens / span, "samples": int(c["samples"]),
+    tokens = _count(c["tokens"])
+    return {"n": n, "tokens": tokens, "rps": sum(n) / span, "tps": tokens / span, "samples": _count(c["samples"]),
             **{d: sketch.decode(c.get(d)) for d in DISTRIBUTIONS}}
 
 
@@ -85,17 +103,35 @@ def _add_acc(into: dict, c: dict) -> None:
         sketch.add(into[d], c[d])
 
 
+def _read_load(load: dict, taken_at: float) -> dict:
+    """The engine's own figures as a process saw them, `age_s` before it took its summary (never after it:
+    the newest sample of any process is shown, and one from the future would always be)."""
+    age = _finite(load["age_s"])
+    figures = {k: load.get(k) for k in LOAD_FIELDS}
+    for k, v in figures.items():
+        if v is not None and not math.isfinite(float(v)):  # a number or nothing: it goes into the feed as it is
+            raise ValueError(f"a load figure {k} of {v!r}")
+    return {**figures, "taken_at": taken_at - age}
+
+
+def _read_fit(fit: dict) -> dict:
+    out = {f: _count(fit[f]) if f == "samples" else _finite(fit[f]) for f in FIT_FIELDS}
+    if not out["prefill_rate"] > 0:
+        raise ValueError("a prefill rate of 0")
+    return out
+
+
 def _read_backend(b: dict, taken_at: float) -> dict:
     """One backend of a summary, checked (a malformed one raises before anything is merged)."""
     load = b["load"]
     if load is not None:  # the engine's own figures: the newest sample of any process wins
-        load = {**load, "taken_at": taken_at - float(load["age_s"])}
-    span = max(float(b["span_s"]), 1e-3)
+        load = _read_load(load, taken_at)
+    span = max(_finite(b["span_s"]), 1e-3)
     return {"engine": str(b["engine"]), "health": str(b["health"]), "breaker": str(b["breaker"]),
-            "in_flight": int(b["in_flight"]), "failovers": int(b["failovers"]),
-            "breaker_openings": int(b["breaker_openings"]), "load": load,
+            "in_flight": _count(b["in_flight"]), "failovers": _count(b["failovers"]),
+            "breaker_openings": _count(b["breaker_openings"]), "load": load,
             "unsupported": {str(k): str(v) for k, v in (b.get("unsupported") or {}).items()},
-            "fit": {f: (int if f == "samples" else float)(b["fit"][f]) for f in FIT_FIELDS},
+            "fit": _read_fit(b["fit"]),
             "classes": {str(k): _read_class(c, span) for k, c in b["classes"].items()}}
 
 
@@ -119,6 +155,18 @@ def _merge_backend(m: dict | None, b: dict) -> dict:
     return m
 
 
+def read_summary(s: dict) -> tuple[dict[str, dict], dict[str, int], dict[str, dict[str, int]]]:
+    """A process's summary, checked as a client's input would be (MALFORMED raised when it is not one a
+    process writes): its backends, its refusals per class and their reasons."""
+    taken_at = s["taken_at"]
+    if isinstance(taken_at, bool) or not isinstance(taken_at, (int, float)) or not math.isfinite(taken_at):
+        raise ValueError(f"taken at {taken_at!r}")
+    read = {str(bid): _read_backend(b, taken_at) for bid, b in s["backends"].items()}
+    refused = {str(k): _count(n) for k, n in s.get("rejected", {}).items()}
+    why = {str(k): {str(kind): _count(n) for kind, n in kinds.items()} for k, kinds in s.get("reasons", {}).items()}
+    return read, refused, why
+
+
 def merge(summaries: list[dict]) -> dict:
     """Summaries of several processes as one: counts, rates and sketches add; states are shown per process."""
     backends: dict[str, dict] = {}
@@ -127,12 +175,8 @@ def merge(summaries: list[dict]) -> dict:
     used = []
     for s in summaries:
         try:
-            taken_at = float(s["taken_at"])
-            read = {str(bid): _read_backend(b, taken_at) for bid, b in s["backends"].items()}
-            refused = {str(k): int(n) for k, n in s.get("rejected", {}).items()}
-            why = {str(k): {str(kind): int(n) for kind, n in kinds.items()}
-                   for k, kinds in s.get("reasons", {}).items()}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            read, refused, why = read_summary(s)
+        except MALFORMED as e:
             log.warning("ignoring a malformed stats summary from worker %s: %r", s.get("worker"), e)
             continue
         for bid, b in read.items():

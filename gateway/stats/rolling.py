@@ -265,15 +265,26 @@ class LatencyModel:
             if age < self.refit_s or (age < REFRESH_S and not self._dirty):
                 return self._cached
         self._dirty = False
-        t0, slope, per_running, a, b = self._fit.solve(self._prior, self._scales, PRIOR_WEIGHT, now)
-        (service,) = self._svc.solve(self._svc_prior, (1.0,), PRIOR_WEIGHT, now)
-        b = max(b, 0.0)
-        self._cached = LatencyEstimate(
-            ttft_t0=max(t0, 0.0005), prefill_rate=1.0 / max(slope, 1e-6), itl_a=max(a + b, 0.0002), itl_b=b,
-            samples=int(self._svc.weight(now) + 0.5), ttft_per_running=max(per_running, 0.0),
-            service_s=max(service, 0.001))
+        self._cached = self._solve(self._fit, self._svc, now)
         self._cached_at = now
         return self._cached
+
+    def _solve(self, fit: DecayingRidge, svc: DecayingRidge, now: float) -> LatencyEstimate:
+        t0, slope, per_running, a, b = fit.solve(self._prior, self._scales, PRIOR_WEIGHT, now)
+        (service,) = svc.solve(self._svc_prior, (1.0,), PRIOR_WEIGHT, now)
+        b = max(b, 0.0)
+        return LatencyEstimate(
+            ttft_t0=max(t0, 0.0005), prefill_rate=1.0 / max(slope, 1e-6), itl_a=max(a + b, 0.0002), itl_b=b,
+            samples=int(svc.weight(now) + 0.5), ttft_per_running=max(per_running, 0.0),
+            service_s=max(service, 0.001))
+
+    def trial(self, fit: Sequence[float], svc: Sequence[float], now: float) -> LatencyEstimate:
+        """The estimate as it would be with these sums (in own_moments' form, as of `now`) folded in; the model
+        is left as it is (gateway.ops.replica_sync weighs another replica's learning before taking it)."""
+        trial_fit, trial_svc = DecayingRidge(4, self.half_life), DecayingRidge(0, self.half_life)
+        trial_fit.absorb([x + y for x, y in zip(self._fit.moments(now), fit)], now)
+        trial_svc.absorb([x + y for x, y in zip(self._svc.moments(now), svc)], now)
+        return self._solve(trial_fit, trial_svc, now)
 
 
 @dataclass(slots=True)

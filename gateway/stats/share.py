@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import socket
@@ -14,6 +15,7 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from gateway.config import StateConfig
+from gateway.stats.merge import MALFORMED, read_summary
 
 log = logging.getLogger("shapegate.stats")
 
@@ -25,6 +27,9 @@ PUBLISH_S = 1.0  # each process publishes its summary this often (never on the r
 STALE_S = 5.0  # a summary older than this comes from a process that stopped publishing: left out
 REDIS_KEEP_S = 60.0  # replicas' entries older than this are deleted from the Redis hash
 REDIS_CHANNEL = "stats"
+# Replicas' clocks agree far closer than this (NTP keeps them within milliseconds): a time read from another
+# process further ahead of this one's clock is not a clock's, and what carries it is left out.
+MAX_AHEAD_S = 10.0
 
 
 def new_replica_id() -> str:
@@ -50,7 +55,8 @@ class Sharing:
         except ValueError:
             self.expected = 1
         self.redis = state if state.backend == "redis" else None
-        self.remote: list[dict] = []  # every process's summary as last read from Redis (fresh ones only)
+        self.remote: list[dict] = []  # every process's summary as last read from Redis (fresh, readable ones)
+        self._bad: set = set()  # fields of the summaries left out in the last read
         self.redis_errors = 0
 
     @property
@@ -130,7 +136,7 @@ class Sharing:
             if self.redis_errors == 1 or self.redis_errors % 100 == 0:
                 log.warning("replica stats not shared (%d errors): %s", self.redis_errors, e)
             return
-        remote, dead = [], []
+        remote, dead, bad = [], [], {}
         for name, value in rows.items():
             try:
                 data = orjson.loads(value)
@@ -138,12 +144,26 @@ class Sharing:
                 dead.append(name)
                 continue
             if fresh(data, now_wall):
-                remote.append(data)
+                why = _unreadable(data)
+                if why is None:
+                    remote.append(data)
+                else:
+                    bad[name] = why
             elif not fresh(data, now_wall, REDIS_KEEP_S):
-                dead.append(name)
+                dead.append(name)  # a process gone long ago, or one written in the future (it would never age)
+                if not fresh(data, now_wall, math.inf):
+                    bad[name] = f"taken at {data.get('taken_at') if isinstance(data, dict) else None!r}"
+        self._note_bad(bad)
         self.remote = remote
         if dead:
             await self._quietly(client.hdel(key, *dead))
+
+    def _note_bad(self, bad: dict) -> None:
+        """Log each summary left out once (they are read every PUBLISH_S), not once a round."""
+        for name, why in bad.items():
+            if name not in self._bad:
+                log.warning("ignoring the stats summary %s in Redis: %s", _name(name), why)
+        self._bad = set(bad)
 
     async def withdraw(self, client) -> None:
         """At shutdown: this process's entry goes at once rather than after STALE_S."""
@@ -157,11 +177,30 @@ class Sharing:
             pass  # the next round, or the key's expiry, does it
 
 
+def _name(field: object) -> str:
+    return repr(field.decode(errors="replace") if isinstance(field, bytes) else str(field))
+
+
+def _unreadable(data: dict) -> str | None:
+    """Why another process's summary cannot be shown (None: it can): read as a client's input would be."""
+    try:
+        read_summary(data)
+    except MALFORMED as e:
+        return repr(e)
+    return None
+
+
+def wall_time(v: object, now_wall: float, max_age_s: float = math.inf) -> float | None:
+    """`v` as a wall-clock time another process took something at: None unless a finite number, at most
+    `max_age_s` old and at most MAX_AHEAD_S ahead of `now_wall`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    t = float(v)
+    return t if math.isfinite(t) and now_wall - max_age_s <= t <= now_wall + MAX_AHEAD_S else None
+
+
 def fresh(data: object, now_wall: float, max_age_s: float = STALE_S) -> bool:
-    if not isinstance(data, dict):
-        return False
-    taken = data.get("taken_at")
-    return isinstance(taken, (int, float)) and now_wall - taken <= max_age_s
+    return isinstance(data, dict) and wall_time(data.get("taken_at"), now_wall, max_age_s) is not None
 
 
 async def share_loop(sharing: Sharing, summarize, stop: asyncio.Event) -> None:
@@ -180,10 +219,13 @@ async def share_loop(sharing: Sharing, summarize, stop: asyncio.Event) -> None:
                 pass
             if stop.is_set():
                 break
-            payload = orjson.dumps(summarize())
-            sharing.write_file(payload)
-            if client is not None:
-                await sharing.exchange(client, payload, time.time())
+            try:
+                payload = orjson.dumps(summarize())
+                sharing.write_file(payload)
+                if client is not None:
+                    await sharing.exchange(client, payload, time.time())
+            except Exception:  # a bug, or a value no check foresaw: this round is lost, never the sharing
+                log.exception("stats sharing round failed")
     finally:
         sharing.remove_file()
         if client is not None:

@@ -15,6 +15,10 @@ GAMMA = (1 + REL_ERR) / (1 - REL_ERR)
 _LOG_GAMMA = math.log(GAMMA)
 MIN_VALUE = 1e-6  # smaller values (and 0) share the lowest bucket
 _MIN_INDEX = math.ceil(math.log(MIN_VALUE) / _LOG_GAMMA)
+# No latency in seconds nor prompt in tokens comes near this: a bucket read from another process beyond it is
+# not one (a bucket's value overflows a float past index ~71000).
+MAX_VALUE = 1e12
+_MAX_INDEX = math.ceil(math.log(MAX_VALUE) / _LOG_GAMMA)
 
 Sketch = dict[int, float]  # bucket index -> weight
 
@@ -68,14 +72,25 @@ def encode(sk: Mapping[int, float], weight: float = 1.0) -> dict:
 
 
 def decode(data: object) -> Sketch:
-    """The sketch in `data`, or an empty one when `data` is not a well-formed encoding."""
+    """The sketch in `data`, or an empty one when `data` is not a well-formed encoding; ValueError when it has
+    a bucket no value falls in (past MAX_VALUE) or a weight that is no count (another process's summary is read
+    as a client's input: the summary is left out, see gateway.stats.merge)."""
     if not isinstance(data, dict):
         return {}
     keys, counts, w = data.get("i"), data.get("n"), data.get("w", 1.0)
     if (not isinstance(keys, list) or not isinstance(counts, list) or len(keys) != len(counts)
             or not isinstance(w, (int, float)) or not w > 0):
         return {}
-    return {i: n * w for i, n in zip(keys, counts) if isinstance(i, int) and isinstance(n, (int, float)) and n > 0}
+    out: Sketch = {}
+    for i, n in zip(keys, counts):
+        if isinstance(i, int) and not isinstance(i, bool) and isinstance(n, (int, float)) and n > 0:
+            if not _MIN_INDEX <= i <= _MAX_INDEX:
+                raise ValueError(f"a sketch bucket {i} out of range")
+            weight = n * w
+            if not math.isfinite(weight):
+                raise ValueError("a sketch weight that is not finite")
+            out[i] = weight
+    return out
 
 
 class Sliding:

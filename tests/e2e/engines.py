@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.loopback import free_port
 from tests.e2e import vllm_env
 from tests.e2e.build_llama import ensure_llama_server
 from tests.e2e.tiny_models import ensure_gguf_model, ensure_hf_model
@@ -79,12 +79,6 @@ class EngineHandle:
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _log_path(engine: str, port: int) -> Path:

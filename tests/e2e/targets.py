@@ -13,8 +13,9 @@ import aiohttp
 import openai
 
 from gateway.sim.runner import SimOptions, SimServer, start_sim
+from benchmarks.loopback import free_port
 from tests.e2e import wire
-from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, EngineHandle, free_port
+from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, EngineHandle
 from tests.e2e.quirks import QUIRKS, EngineQuirks
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
 
@@ -126,16 +127,6 @@ async def last_sample(backend_stats: Any, seen: int) -> Any:
     while len(backend_stats.samples) == seen:
         await asyncio.sleep(0.001)
     return backend_stats.window(time.monotonic(), 3600.0)[-1]
-
-
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.02) -> float:
-    """Poll until `check()` holds; returns the seconds it took, or raises TimeoutError."""
-    started = time.monotonic()
-    while not await check():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"condition not met within {timeout} s")
-        await asyncio.sleep(interval)
-    return time.monotonic() - started
 
 
 # -- start-up as the gateway sees it -------------------------------------------------------------

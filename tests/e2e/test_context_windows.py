@@ -8,8 +8,9 @@ import openai
 import pytest
 
 from gateway.sim.runner import start_sim
-from tests.e2e.targets import PUBLIC_MODEL, backend, config, sim_options, wait_for
+from tests.e2e.targets import PUBLIC_MODEL, backend, config, sim_options
 from tests.gateway_harness import USER_KEY, start_gateway
+from tests.kit import until
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +59,7 @@ async def test_requests_go_where_they_fit_and_too_long_ones_are_refused_at_once(
         async def both_ready() -> bool:
             return all(b.usable(time.monotonic()) for b in pool.all())
 
-        await wait_for(both_ready, timeout=60.0)  # (/readyz answers once one backend is ready)
+        await until(both_ready, "both backends usable", timeout=60.0)  # (/readyz answers once one backend is ready)
         assert (pool.get("llama").window(PUBLIC_MODEL), pool.get("vllm").window(PUBLIC_MODEL)) == (SMALL, LARGE)
         async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=USER_KEY, max_retries=0,
                                       timeout=120) as client:

@@ -19,8 +19,9 @@ from tests.e2e import wire
 from tests.e2e.engines import start_llama_server
 from tests.e2e.targets import (PUBLIC_MODEL, Boot, Target, backend, config, engine_generated, engine_running,
                                gateway_metrics,
-                               labelled, last_sample, sim_options, start_sim_at, stats, wait_for, watch_startup)
+                               labelled, last_sample, sim_options, start_sim_at, stats, watch_startup)
 from tests.gateway_harness import USER_KEY, start_gateway
+from tests.kit import until
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +70,7 @@ async def test_client_disconnect_frees_the_engine(target: Target) -> None:
 
             # llama.cpp frees the slot within ~10 ms of the gateway dropping its upstream connection,
             # vLLM within ~0.15 s (as far as its stalling /metrics lets anyone see)
-            await wait_for(idle, timeout=PATIENCE_S[engine])
+            await until(idle, "the engine running nothing", timeout=PATIENCE_S[engine])
             generated = await engine_generated(http, engine, url) - before
             # On 2 cores vLLM's API server sometimes sends nothing for ~11 s while its engine core generates
             # the whole request (seen with and without the gateway's own server in front): the client then
@@ -165,9 +166,9 @@ async def test_load_signals_follow_a_held_load(target: Target, caplog: pytest.Lo
         for _ in range(HOLD_TRIES):
             await wire.wait_quiet(http, target.engine_url, target.quirks.running_gauge)
             # From a gateway that has scraped the engine at rest: a new one's first scrape may still be out.
-            await wait_for(released, timeout=PATIENCE_S[target.engine], interval=0.05)
+            await until(released, "the gateway seeing nothing run", timeout=PATIENCE_S[target.engine], every=0.05)
             seen, history, ages = await _hold_and_watch(http, target, within=HOLD_S[target.engine])
-            await wait_for(released, timeout=PATIENCE_S[target.engine], interval=0.05)
+            await until(released, "the gateway seeing nothing run", timeout=PATIENCE_S[target.engine], every=0.05)
             if seen or any(reading[5] == 2 for reading in history):
                 break
             stalled.append(history)

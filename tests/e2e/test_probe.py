@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_config
-from gateway.fleet.probe import probe_all, render
+from gateway.cli.probe import probe_all, render
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.fleet.probe_checks import NO, YES
 from gateway.runtime import build_policy

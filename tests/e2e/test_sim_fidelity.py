@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from gateway.sim.runner import SimServer, start_sim
+from benchmarks.loopback import free_port
 from tests.e2e import wire
-from tests.e2e.engines import free_port
 from tests.e2e.quirks import QUIRKS, check_connection_after_reply
 from tests.e2e.targets import sim_options
 from tests.e2e.test_engines_runtime import LLAMA_FAMILIES, VLLM_REQUIRED

@@ -9,9 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import numpy as np
 
 from tests.e2e import tiny_spec as spec

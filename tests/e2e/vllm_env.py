@@ -9,9 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.e2e.cache import build_lock, cache_root, log, run
 
 VLLM_VERSION = "0.32.0"

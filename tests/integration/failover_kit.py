@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -75,12 +74,3 @@ async def first_content(resp: aiohttp.ClientResponse) -> bytes:
         if b'"content":"' in got.replace(b'"content":""', b""):
             return got
     return got
-
-
-async def until(check, timeout: float = 5.0, every: float = 0.02) -> None:
-    """Wait for a condition, event-driven by polling; fails with the timeout, never sleeps a guessed time."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(every)

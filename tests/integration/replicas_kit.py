@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import time
-from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +14,12 @@ import redis.asyncio as redis_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.routing.shape import session_key
+from benchmarks.loopback import Proc
+from tests import kit
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.needs import REDIS_URL, skip_or_fail
-from tests.procs import Proc, gateway_proc, to_toml
+from tests.procs import gateway_proc, to_toml
 
 MODEL = "m"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -50,15 +50,9 @@ def backend(id: str, engine: FakeEngine) -> dict:
     return {"id": id, "engine": "vllm", "url": engine.url, "models": [MODEL]}
 
 
-async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 10.0, every: float = 0.05) -> Any:
-    """Poll `check` until it returns something true; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what} (not within {timeout} s)"
-        await asyncio.sleep(every)
+# The replicas are processes sharing Redis: what they publish takes up to seconds to show, so the waits allow
+# 10 s and poll every 50 ms.
+until = partial(kit.until, timeout=10.0, every=0.05)
 
 
 class Replicas:

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
-from tests.procs import ROOT
+from tests.procs import shapegate
 
-# `shapegate ab`, as an installed console script runs it.
-COMMAND = ("-m", "gateway.cli.main", "ab")
 REQUESTS = 80  # u0..u79 split 41/39: both arms past the 30 samples a verdict needs
 
 
 async def ab(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """Run the command without blocking this loop's gateway; (exit status, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *COMMAND, *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode, out.decode(), err.decode()
+    """`shapegate ab ARGS`, as an installed console script runs it: (exit status, stdout, stderr)."""
+    return await shapegate("ab", *args, env=env)
 
 
 @pytest.fixture

@@ -10,9 +10,10 @@ import time
 import aiohttp
 import orjson
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port, wait_http
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
-from tests.procs import ROOT, to_toml, wait_http
+from tests.procs import ROOT, to_toml
 
 FIELDS = {"ts", "request_id", "principal", "model", "class", "backend", "reason", "status", "outcome", "stream",
           "ttft_ms", "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "experiment", "arm"}

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import os
 import shutil
 import socket
-import sys
-from pathlib import Path
 
 from backends.vllm import VLLMBackend
 from gateway.sim.runner import SimOptions, start_sim
-from tests.fake_engine import FakeEngine, Knobs, free_port
-from tests.procs import ROOT, to_toml
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
+from tests.procs import shapegate, write_config
 
 OPEN = {"auth": {"enabled": False}}
-
-
-async def shapegate(*args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                    timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run `python -m gateway.cli.main ARGS` (without blocking this loop's engines); (exit status, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        *prefix, sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    return proc.returncode, out.decode(), err.decode()
-
-
-def write(tmp_path: Path, cfg: dict, name: str = "gw.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(to_toml(cfg))
-    return path
 
 
 async def test_version_is_the_installed_distributions():
@@ -46,7 +27,7 @@ async def test_check_reports_each_backend_and_exits_0_with_some_down(tmp_path):
     vllm = await start_sim(SimOptions(engine="vllm", max_model_len=6000))
     llama = await start_sim(SimOptions(engine="llamacpp", slots=2))
     dead = free_port()
-    path = write(tmp_path, {**OPEN, "routing": {"policy": "least_loaded"}, "backends": [
+    path = write_config(tmp_path, {**OPEN, "routing": {"policy": "least_loaded"}, "backends": [
         {"id": "fake", "engine": "vllm", "url": fake.url, "models": ["m"]},
         {"id": "loading", "engine": "llamacpp", "url": loading.url, "models": ["m"]},
         {"id": "sim-v", "engine": "vllm", "url": vllm.url, "models": {"pub": vllm.model, "ghost": "ghost"}},
@@ -91,7 +72,7 @@ async def test_check_reports_each_backend_and_exits_0_with_some_down(tmp_path):
 
 async def test_check_of_a_healthy_portfolio(tmp_path):
     engine = await FakeEngine().start()
-    path = write(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m"]}]})
+    path = write_config(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m"]}]})
     try:
         status, out, _ = await shapegate("check", "--config", str(path))
     finally:
@@ -102,7 +83,7 @@ async def test_check_of_a_healthy_portfolio(tmp_path):
 
 
 async def test_check_refuses_an_invalid_config_like_serve(tmp_path):
-    path = write(tmp_path, {**OPEN, "routing": {"policy": "prefix_affinity", "params": {"cache_threshold": 3}},
+    path = write_config(tmp_path, {**OPEN, "routing": {"policy": "prefix_affinity", "params": {"cache_threshold": 3}},
                             "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}]})
     expected = ("shapegate: invalid configuration:\n"
                 "  routing.params.cache_threshold: Input should be less than or equal to 1\n")
@@ -111,7 +92,7 @@ async def test_check_refuses_an_invalid_config_like_serve(tmp_path):
 
 
 async def test_a_taken_port_is_one_line_and_status_2(tmp_path):
-    path = write(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1",
+    path = write_config(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1",
                                                   "models": ["m"]}]})
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -131,9 +112,9 @@ async def test_unusable_files_are_one_message_without_a_traceback(tmp_path):
         str(tmp_path / "missing.toml"): f"configuration file not found: {tmp_path / 'missing.toml'}",
         str(tmp_path): f"cannot read configuration file {tmp_path}: Is a directory",
         str(bad_toml): f"{bad_toml}: not valid TOML: Expected ']' at the end of a table declaration",
-        str(write(tmp_path, {**OPEN, "routing": {"policy": "fastest"}, "backends": [backend]}, "p.toml")):
+        str(write_config(tmp_path, {**OPEN, "routing": {"policy": "fastest"}, "backends": [backend]}, "p.toml")):
             "invalid configuration:\n  routing.policy: unknown routing policy 'fastest'; expected one of",
-        str(write(tmp_path, {**OPEN, "server": {"port": -1}, "backends": [backend]}, "v.toml")):
+        str(write_config(tmp_path, {**OPEN, "server": {"port": -1}, "backends": [backend]}, "v.toml")):
             "invalid configuration:\n  server.port: Input should be greater than or equal to 0",
     }
     for path, message in cases.items():
@@ -143,7 +124,7 @@ async def test_unusable_files_are_one_message_without_a_traceback(tmp_path):
 
 
 async def test_an_unreadable_file_says_permission_denied(tmp_path):
-    path = write(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1",
+    path = write_config(tmp_path, {**OPEN, "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1",
                                                   "models": ["m"]}]})
     path.chmod(0)
     # root reads any file; without its capabilities it is refused like anyone else
@@ -154,7 +135,7 @@ async def test_an_unreadable_file_says_permission_denied(tmp_path):
 
 
 async def test_a_start_up_setting_error_is_one_line(tmp_path):
-    path = write(tmp_path, {**OPEN, "dashboard": {"session_secret_env": "SHAPEGATE_TEST_SECRET"},
+    path = write_config(tmp_path, {**OPEN, "dashboard": {"session_secret_env": "SHAPEGATE_TEST_SECRET"},
                             "backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}]})
     status, out, err = await shapegate("serve", "--config", str(path), "--port", "0",
                                        env={"SHAPEGATE_TEST_SECRET": "short"})

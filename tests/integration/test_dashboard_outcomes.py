@@ -6,7 +6,8 @@ import aiohttp
 import openai
 import orjson
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.integration.browser import LIVE_JS, FormLogin, chromium_available, open_page
 

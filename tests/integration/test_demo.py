@@ -11,7 +11,7 @@ import sys
 import openai
 
 from gateway.cli.demo import MODEL, SECOND_MODEL, run_demo
-from tests.fake_engine import free_port
+from benchmarks.loopback import free_port
 
 
 async def test_demo_serves_the_printed_snippet():

@@ -6,14 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import inspect
 import json
 import os
 import secrets
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,6 +21,7 @@ import openai
 import pytest
 import redis.asyncio as redis_asyncio
 
+from tests import kit
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import gateway_config
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
@@ -35,18 +34,8 @@ ENGINES = {"vllm-0", "sglang-0", "llama-0"}
 STREAM_TOKENS = 160
 
 
-async def until(check, what: str, timeout: float = 30.0):
-    """Poll `check` (a function, sync or async) until it returns something true; TimeoutError past `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.1)
+# A whole stack of processes: the waits allow 30 s and poll every tenth of a second.
+until = partial(kit.until, timeout=30.0, every=0.1)
 
 
 

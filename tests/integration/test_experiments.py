@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.fake_engine import free_port
-from tests.procs import Proc, gateway_proc, to_toml, workers_ready
+from benchmarks.loopback import Proc, free_port
+from tests.procs import gateway_proc, to_toml, workers_ready
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
 MODEL = "m"

@@ -17,7 +17,8 @@ import policies
 from backends.openai_http import OpenAIHTTPBackend
 from gateway.config import ConfigError, parse_config
 from gateway.runtime import build_policy
-from tests.fake_engine import FakeEngine, Knobs, free_port, make_app
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs, make_app
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ import pytest
 
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
+from tests.kit import until
 
 BODY = orjson.dumps({"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
 
@@ -293,14 +294,6 @@ async def test_engine_breaking_after_done_leaves_one_clean_ending():
         server.close()
 
 
-async def until_done(task: asyncio.Task) -> bool:
-    for _ in range(500):  # (5 s at most: the task ends in the loop turn after its connection)
-        if task.done():
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
 @pytest.mark.parametrize("ending", ["idle", "client closes", "malformed next"])
 async def test_one_task_serves_a_connection_and_ends_with_it(engines, ending):
     cfg = gateway_config([{"id": "e", "engine": "vllm", "url": engines[0].url, "models": ["m2"]}],
@@ -323,7 +316,9 @@ async def test_one_task_serves_a_connection_and_ends_with_it(engines, ending):
         else:
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
             assert (await read_response(reader))[0] == 400
-        assert await until_done(task)  # (after a refusal, before the connection closes: no request follows)
+        # (after a refusal, before the connection closes: no request follows; the task ends in the loop turn after
+        # its connection)
+        await until(task.done, "the connection's task done")
         writer.close()
     finally:
         await gw.stop()

@@ -9,9 +9,11 @@ import aiohttp
 from aiohttp import web
 
 from gateway.contracts import READY, UNHEALTHY
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import gateway_config, start_gateway
-from tests.integration.failover_kit import AUTH, MSG, ask, backend, sim, until
+from tests.integration.failover_kit import AUTH, MSG, ask, backend, sim
+from tests.kit import until
 
 
 async def test_load_signals_from_each_engine_map_to_common_fields():

@@ -13,10 +13,11 @@ import pytest
 
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import gateway_config, start_gateway
+from tests.kit import until
 from tests.raw_engine import (CONTENT, JSON_BODY, MSG, assert_clean_head, bad_chunk, body_of, chat_ok, chunk,
                               cl_reply, empty_then_close, error_event, first_event_then_bad_chunk, good,
                               good_then_late_reply, head, head_over_limit_in_pieces, head_trickled_forever,
-                              huge_chunk_size_then_close, oai, raw_chat, RawEngine, Reply, stream_ending, until,
+                              huge_chunk_size_then_close, oai, raw_chat, RawEngine, Reply, stream_ending,
                               with_fields)
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ async def test_hostile_reply(env, row: Row, stream: bool):
         hostile = engine.post_conns("hostile")
         if not row.reuse:
             # The gateway drops an engine connection that broke framing or sent bytes nobody asked for.
-            assert await until(lambda: all(c.closed.is_set() for c in hostile), 2.0), \
-                "the engine connection was kept after a broken reply"
+            await until(lambda: all(c.closed.is_set() for c in hostile),
+                        "the engine connection closed after a broken reply", timeout=2.0)
 
         # The next requests, with the engine behaving, work: nothing of the hostile exchange is left in the pool.
         engine.set(good, hostile=False)
@@ -177,7 +178,7 @@ async def test_failover_to_a_good_engine(row: Row, stream: bool):
         routing={"policy": "round_robin"}, upstream={"first_byte_timeout_s": 1.0}))
     try:
         # /readyz needs one ready backend; this test needs both.
-        assert await until(lambda: all(b.usable(time.monotonic()) for b in gw.state.pool.all()), 5.0)
+        await until(lambda: all(b.usable(time.monotonic()) for b in gw.state.pool.all()), "both backends usable")
         bad.set(row.reply)
         if not stream:
             async with oai(gw.url) as client:

@@ -11,7 +11,8 @@ import pytest
 
 from backends.http1 import HostPool
 from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 
 

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import signal
-import sys
-import time
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from gateway.keys.auth import hash_key
+from gateway.keys.principal import hash_key
 from gateway.config import KeyLimits
 from gateway.ops.reload import RELOADER
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+from tests.kit import until
 from tests.needs import skip_or_fail
-from tests.procs import ROOT, to_toml
+from tests.procs import shapegate, to_toml
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -48,17 +47,6 @@ async def listing(url: str) -> list[dict]:
     status, got, _ = await call(url, "GET", "/admin/keys")
     assert status == 200
     return [{k: v for k, v in row.items() if k != "last_used"} for row in got["data"]]
-
-
-async def until(check, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition never held")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -206,14 +194,9 @@ async def test_a_reload_keeps_run_time_keys(engine, tmp_path):
 
 
 async def keys_cli(*args: str, admin_key: str | None = ADMIN_KEY) -> tuple[int, str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "SHAPEGATE_ADMIN_KEY"}
-    if admin_key is not None:
-        env["SHAPEGATE_ADMIN_KEY"] = admin_key
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "keys", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode, out.decode(), err.decode()
+    """`shapegate keys ARGS` with the admin key in its environment, or none there."""
+    return await shapegate("keys", *args, unset=("SHAPEGATE_ADMIN_KEY",),
+                           env=None if admin_key is None else {"SHAPEGATE_ADMIN_KEY": admin_key})
 
 
 async def test_the_cli_makes_lists_and_revokes_keys(engine):

@@ -13,10 +13,11 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port, wait_http
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
-from tests.procs import ROOT, gateway_proc, to_toml, wait_http
+from tests.procs import ROOT, gateway_proc, to_toml
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 WITHIN_S = 1.0  # a change made on one process holds on every other within this, from the admin call's reply

@@ -11,7 +11,8 @@ import aiohttp
 from gateway.ops.reload import RELOADER
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import gateway_config, start_gateway
-from tests.integration.failover_kit import ADMIN, AUTH, MSG, ask, first_content, stream_ending, until
+from tests.integration.failover_kit import ADMIN, AUTH, MSG, ask, first_content, stream_ending
+from tests.kit import until
 from tests.procs import gateway_proc, to_toml
 
 

@@ -13,8 +13,11 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.keys.auth import hash_key
-from gateway.config import ShapeConfig
+from gateway.keys.principal import hash_key
+from gateway.config import ShapeConfig, StateConfig
+from gateway.limits.buckets import REQUESTS, Need
+from gateway.limits.redis_buckets import SharedBuckets
+from gateway.observe.metrics import Metrics
 from gateway.routing.shape import classify
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
@@ -230,3 +233,52 @@ async def test_replicas_share_buckets_and_settlements_through_redis(engines, red
     finally:
         await one.stop()
         await two.stop()
+
+
+async def test_n_choices_and_an_unreadable_max_tokens_are_reserved_as_the_engine_may_read_them(engines):
+    gw = await start_gateway(config(engines, user={"tpm": 6000}))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def send(body: dict) -> tuple[int, dict, bytes]:
+                async with s.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {USER_KEY}"}) as r:
+                    return r.status, dict(r.headers), await r.read()
+
+            prompt = reserved(ask(max_tokens=50)) - 50
+            status, h, _ = await send(ask(max_tokens=50, n=3))
+            assert status == 200 and h["x-ratelimit-remaining-tokens"] == str(6000 - prompt - 150)  # prompt once
+            # A string the engine may read as a number (or as no cap): the whole limit, on a full bucket only.
+            status, h, data = await send(ask(max_tokens="50"))
+            assert status == 429 and "Limit 6000" in orjson.loads(data)["error"]["message"]
+            assert "Requested 6000" in orjson.loads(data)["error"]["message"]
+    finally:
+        await gw.stop()
+
+
+async def test_a_malformed_bucket_starts_again_empty_for_its_key_alone(redis_prefix):
+    prefix, r = redis_prefix
+    metrics = Metrics(list)
+    shared = SharedBuckets(StateConfig(backend="redis", key_prefix=prefix), metrics)
+    bad, good = Need("requests:bad", REQUESTS, 10), Need("requests:good", REQUESTS, 10)
+    key = f"{prefix}ratelimit:requests:bad"
+    now_ms = int(time.time() * 1000)
+    async with shared.running():
+        for corrupt in ({"l": "lots", "t": str(now_ms)}, {"l": "5", "t": "soon"}, {"l": "nan", "t": str(now_ms)},
+                        {"l": "inf", "t": str(now_ms)}, {"l": "5"}, {"t": str(now_ms)}, "a string", ["a", "list"]):
+            await r.delete(key)
+            if isinstance(corrupt, dict):
+                await r.hset(key, mapping=corrupt)
+            elif isinstance(corrupt, str):
+                await r.set(key, corrupt)
+            else:
+                await r.rpush(key, *corrupt)
+            # Refused, from an empty bucket; the other key in the same check is not charged; nothing failed.
+            assert await shared.take((good, bad), (1, 1), 1.0) == (1, [10.0, 0.0]), corrupt
+            assert await r.type(key) == b"hash" and 0 < await r.pttl(key) <= 61_000  # rewritten, expiring
+            assert await shared.take((bad,), (1,), 1.0) == (0, [pytest.approx(0.0, abs=0.1)])
+        # A stamp ahead of Redis's clock: its level kept, restamped (no refill for time to come).
+        await r.hset(key, mapping={"l": "3", "t": str(now_ms + 3_600_000)})
+        assert await shared.take((bad,), (1,), 1.0) == (-1, [2.0])
+        assert await shared.take((good,), (1,), 1.0) == (-1, [9.0])
+        assert shared.up and shared.outages == 0
+    assert all(c.value == 0 for c in metrics._limit_local.values())

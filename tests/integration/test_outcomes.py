@@ -11,10 +11,11 @@ import openai
 import orjson
 import pytest
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port, wait_http
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.integration.test_metrics import Scrape, scrape
-from tests.procs import ROOT, to_toml, wait_http
+from tests.procs import ROOT, to_toml
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TOO_LONG = (b'{"error":{"message":"This model\'s maximum context length is 4096 tokens.","type":"BadRequestError",'

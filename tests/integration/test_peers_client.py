@@ -6,54 +6,31 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.fake_engine import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import peers_targets
-from peers_client import has_content
+from benchmarks import kit, peers_targets
+from benchmarks.peers_client import has_content
+from benchmarks.loopback import free_port
 
 EVENTS_PER_STREAM = 203  # role, 200 tokens, finish, usage ([DONE] is not an event the client counts)
 
 
-def wait_answering(url: str, deadline_s: float = 15.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def engine() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fast_engine.py"), "--port", str(port)])
+    procs: list[subprocess.Popen] = []
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_answering(url + "/health")
-        yield url
+        yield kit.start_engine(procs)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        kit.stop_all(procs)
 
 
 def run_client(url: str, kind: str, conc: int = 4, *more: str) -> tuple[list[str], dict]:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers_client.py"), "--url",
-                          url + "/v1/chat/completions", "--kind", kind, "--conc", str(conc), "--seconds", "0.4",
-                          "--warmup", "0.1", *more], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(kit.script("peers_client.py", "--url", url + "/v1/chat/completions", "--kind", kind, "--conc",
+                                    str(conc), "--seconds", "0.4", "--warmup", "0.1", *more),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
     lines = out.splitlines()
     return lines, json.loads(lines[-1].removeprefix("RESULT "))
 

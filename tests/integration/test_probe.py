@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import orjson
@@ -14,9 +11,10 @@ import pytest
 
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.sim.runner import SimOptions, start_sim
-from tests.fake_engine import free_port
+from benchmarks.loopback import free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
-from tests.procs import ROOT, to_toml
+from tests.kit import until
+from tests.procs import shapegate, write_config
 from tests.raw_engine import MiB, RawEngine, bad_chunk, head
 
 OPEN = {"auth": {"enabled": False}}
@@ -25,22 +23,6 @@ OPEN = {"auth": {"enabled": False}}
 SIM_VERDICTS = {"answers": "yes", "chat": "yes", "completions": "yes", "stream": "yes", "stream_usage": "yes",
                 "n": "no", "tools": "no", "json_schema": "no", "logprobs": "no", "context": "yes"}
 SIM_WINDOWS = {"vllm": 4096, "sglang": 4096, "llamacpp": 2048}
-
-
-async def shapegate(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, str, str]:
-    """`python -m gateway.cli.main ARGS` as a process, this loop's engines serving meanwhile: (status, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    return proc.returncode, out.decode(), err.decode()
-
-
-def write(tmp_path: Path, cfg: dict) -> Path:
-    path = tmp_path / "gw.toml"
-    path.write_text(to_toml(cfg))
-    return path
 
 
 def verdicts(row: dict) -> dict[str, str]:
@@ -63,7 +45,7 @@ def sim_backends(sims) -> list[dict]:
 
 
 async def test_json_matrix_of_a_simulator_portfolio(sims, tmp_path):
-    path = write(tmp_path, {**OPEN, "backends": sim_backends(sims)})
+    path = write_config(tmp_path, {**OPEN, "backends": sim_backends(sims)})
     status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "10")
     assert status == 1 and "Traceback" not in err, err  # "ghost" fails the required chat check
     report = orjson.loads(out)
@@ -94,7 +76,7 @@ async def test_table_and_exit_status_follow_the_required_checks(sims, tmp_path):
     backends = sim_backends(sims)
     backends[0]["models"] = {"m": "sim-model"}
     cfg = {**OPEN, "probe": {"require": ["chat", "stream", "stream_usage", "context"]}, "backends": backends}
-    status, out, err = await shapegate("probe", "--config", str(write(tmp_path, cfg)))
+    status, out, err = await shapegate("probe", "--config", str(write_config(tmp_path, cfg)))
     assert status == 0, out + err
     lines = out.splitlines()
     assert lines[0].split() == ["model", "backend", "engine", *CHECKS]
@@ -105,17 +87,17 @@ async def test_table_and_exit_status_follow_the_required_checks(sims, tmp_path):
     assert lines[-1] == "required (chat, stream, stream_usage, context): passed on all 3 model-backend pairs"
 
     cfg["probe"] = {"require": ["chat", "n"]}
-    status, out, _ = await shapegate("probe", "--config", str(write(tmp_path, cfg)))
+    status, out, _ = await shapegate("probe", "--config", str(write_config(tmp_path, cfg)))
     assert status == 1 and out.splitlines()[-1] == "required (chat, n): failed on 3 of 3 model-backend pairs"
 
 
 async def test_config_errors_exit_2(tmp_path):
     backend = {"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}
-    path = write(tmp_path, {**OPEN, "probe": {"require": ["chat", "telepathy"]}, "backends": [backend]})
+    path = write_config(tmp_path, {**OPEN, "probe": {"require": ["chat", "telepathy"]}, "backends": [backend]})
     assert await shapegate("probe", "--config", str(path)) == (
         2, "", "shapegate: invalid configuration:\n  probe.require: unknown check 'telepathy'; expected some of "
                f"{', '.join(CHECKS)}\n")
-    path = write(tmp_path, {**OPEN, "probe": {"timeout_s": 0}, "backends": [backend]})
+    path = write_config(tmp_path, {**OPEN, "probe": {"timeout_s": 0}, "backends": [backend]})
     status, out, err = await shapegate("probe", "--config", str(path))
     assert (status, out) == (2, "") and "probe.timeout_s" in err
     status, _, err = await shapegate("probe", "--config", str(tmp_path / "missing.toml"))
@@ -124,7 +106,7 @@ async def test_config_errors_exit_2(tmp_path):
 
 async def test_a_dead_backend_is_errors_and_exit_1_at_once(tmp_path):
     dead = free_port()
-    path = write(tmp_path, {**OPEN, "backends": [
+    path = write_config(tmp_path, {**OPEN, "backends": [
         {"id": "down", "engine": "sglang", "url": f"http://127.0.0.1:{dead}", "models": ["m"]}]})
     started = time.monotonic()
     status, out, err = await shapegate("probe", "--config", str(path), "--json")
@@ -170,7 +152,7 @@ async def test_hostile_engines_give_errors_within_the_timeout(tmp_path):
         engines[name].set(reply)
     backends = [{"id": name, "engine": "openai", "url": e.url, "models": ["m"]} for name, e in engines.items()]
     backends[-1]["api_key_env"] = "PROBE_TEST_KEY"
-    path = write(tmp_path, {**OPEN, "backends": backends})
+    path = write_config(tmp_path, {**OPEN, "backends": backends})
     try:
         started = time.monotonic()
         status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "1",
@@ -218,13 +200,6 @@ async def served_by(url: str, model: str, times: int) -> list[tuple[int, str]]:
         return out
 
 
-async def until(check, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("at_start", [True, False])
 async def test_at_start_stops_routing_a_model_where_it_fails_a_required_check(sims, at_start):
     cfg = gateway_config([
@@ -235,14 +210,14 @@ async def test_at_start_stops_routing_a_model_where_it_fails_a_required_check(si
     try:
         pool = gw.state.pool
         vllm, llama = pool.get("vllm"), pool.get("llama")
-        await until(lambda: vllm.usable(time.monotonic()) and llama.usable(time.monotonic()), 10)
+        await until(lambda: vllm.usable(time.monotonic()) and llama.usable(time.monotonic()), timeout=10)
         if not at_start:  # off by default: nothing is probed, every backend of a model is a candidate
             await asyncio.sleep(0.3)
             assert vllm.unsupported == {} and vllm.probe_task is None
             assert {b.id for b in pool.candidates("ghost", "default")} == {"vllm", "llama"}
             return
-        await until(lambda: "ghost" in vllm.unsupported, 10)
-        await until(lambda: vllm.probe_task.done() and llama.probe_task.done(), 10)
+        await until(lambda: "ghost" in vllm.unsupported, timeout=10)
+        await until(lambda: vllm.probe_task.done() and llama.probe_task.done(), timeout=10)
         assert vllm.unsupported == {"ghost": "probe: chat: no (HTTP 404: The model `ghost` does not exist.)"}
         assert llama.unsupported == {}  # llama.cpp serves any name
         assert [b.id for b in pool.candidates("ghost", "default")] == ["llama"]

@@ -9,11 +9,11 @@ from pathlib import Path
 import openai
 import redis.asyncio as redis_asyncio
 
+from benchmarks.loopback import Proc, restartable_port
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import USER_KEY
 from tests.integration.replicas_kit import MODEL, Replicas, backend, get_json, metric, new_prefix, session_turn, until
 from tests.needs import skip_or_fail
-from tests.procs import Proc, restartable_port
 
 
 def redis_server(port: int, workdir: Path) -> Proc:

@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.e2e.targets import wait_for
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+from tests.kit import until
 
 MODEL, CONTROL = "m", "c"
 
@@ -37,12 +37,6 @@ async def raw_post(gw, body: dict) -> tuple[dict, bytes]:
             return dict(r.headers), await r.read()
 
 
-async def wait_until(condition, timeout: float) -> None:
-    async def check() -> bool:
-        return bool(condition())
-    await wait_for(check, timeout)
-
-
 def chat(stream: bool, model: str = MODEL, temperature: float | None = 0) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "stream": stream}
     if temperature is not None:
@@ -62,7 +56,7 @@ async def test_the_client_reply_is_byte_identical_and_the_candidate_never_serves
         for _ in range(20):
             h, _ = await raw_post(shadowed, chat(False))
             assert h["x-shapegate-backend"] == "primary"
-        await wait_until(lambda: engines[1].knobs.active == 0 and len(engines[1].knobs.seen) >= 20, timeout=5)
+        await until(lambda: engines[1].knobs.active == 0 and len(engines[1].knobs.seen) >= 20, timeout=5)
         # The copies carry the same request, marked, with the client's request id extended.
         copy = engines[1].knobs.headers_seen[-1]
         assert copy["x-shapegate-shadow"] == "sh" and copy["x-request-id"].endswith(".shadow")
@@ -84,11 +78,11 @@ async def test_a_held_copy_never_delays_the_client_stream(engines):
                                                              max_tokens=6, temperature=0, stream=True)
                     return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
                 assert await asyncio.wait_for(whole_stream(), timeout=10)
-                await wait_until(lambda n=n: engines[1].knobs.active == n, timeout=5)  # copy n is held, not lost
+                await until(lambda n=n: engines[1].knobs.active == n, timeout=5)  # copy n is held, not lost
         sh = (await report(gw))["arms"][1]["shadow"]
         assert sh["sent"] == 3 and sh["in_flight"] == 3
         engines[1].knobs.gate.set()
-        await wait_until(lambda: engines[1].knobs.active == 0, timeout=5)
+        await until(lambda: engines[1].knobs.active == 0, timeout=5)
     finally:
         await gw.stop()
 
@@ -100,12 +94,12 @@ async def test_the_budget_holds_against_a_slow_candidate(engines):
         for _ in range(8):
             h, _ = await raw_post(gw, chat(False))
             assert h["x-shapegate-backend"] == "primary"  # answered at once: the copies never delay the client
-        await wait_until(lambda: engines[1].knobs.active == 2, timeout=5)
+        await until(lambda: engines[1].knobs.active == 2, timeout=5)
         x = await report(gw)
         sh = x["arms"][1]["shadow"]
         assert sh["sent"] == 2 and sh["skipped_busy"] == 6 and sh["in_flight"] == 2
         engines[1].knobs.gate.set()
-        await wait_until(lambda: engines[1].knobs.active == 0, timeout=5)
+        await until(lambda: engines[1].knobs.active == 0, timeout=5)
         assert engines[1].knobs.max_active == 2
     finally:
         await gw.stop()
@@ -115,7 +109,7 @@ async def test_a_dead_candidate_is_skipped_and_counted(engines):
     gw = await start_gateway(shadow_config(engines))
     try:
         await engines[1].stop()
-        await wait_until(lambda: gw.state.pool.get("cand").health.state != "ready", timeout=5)
+        await until(lambda: gw.state.pool.get("cand").health.state != "ready", timeout=5)
         for _ in range(3):
             h, _ = await raw_post(gw, chat(False))
             assert h["x-shapegate-backend"] == "primary"
@@ -136,8 +130,7 @@ async def test_agreement_of_outputs_at_temperature_zero(engines, same):
         await raw_post(gw, chat(False, temperature=0.7))  # not greedy: not compared
         x = gw.state.experiments.by_name["sh"]
         # Each copy's comparison is made as its primary's figures are recorded: after five, all are in.
-        await wait_until(lambda: (c := x.classes.get(("primary", "all"))) is not None and c.requests == 5,
-                         timeout=5)
+        await until(lambda: (c := x.classes.get(("primary", "all"))) is not None and c.requests == 5, timeout=5)
         ag = (await report(gw))["arms"][1]["shadow"]["agreement"]
         assert ag["compared"] == 4
         if same:

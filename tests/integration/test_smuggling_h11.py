@@ -11,7 +11,7 @@ import orjson
 import pytest
 import uvicorn
 
-from tests.fake_engine import free_port
+from benchmarks.loopback import free_port
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 from tests.http_replies import parse_replies
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
+from functools import partial
 
 import aiohttp
 import orjson
 import redis.asyncio as redis_asyncio
 
+from tests import kit
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
@@ -29,13 +30,8 @@ async def chat(url: str, n: int) -> None:
                 assert r.status == 200
 
 
-async def until(check, timeout: float = 10.0):
-    for _ in range(int(timeout / 0.1)):
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.1)
-    raise TimeoutError("condition never held")
+# Gateways sharing Redis: the waits allow 10 s and poll every tenth of a second.
+until = partial(kit.until, timeout=10.0, every=0.1)
 
 
 async def test_replicas_are_shown_labelled_and_merged():

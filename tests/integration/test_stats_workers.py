@@ -9,9 +9,10 @@ import sys
 import aiohttp
 import orjson
 
-from tests.fake_engine import FakeEngine, Knobs, free_port
+from benchmarks.loopback import free_port, wait_http
+from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
-from tests.procs import ROOT, to_toml, wait_http, workers_ready
+from tests.procs import ROOT, to_toml, workers_ready
 
 N = 40
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

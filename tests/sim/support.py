@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -39,14 +37,6 @@ def content_of(events: list[Any]) -> str:
             if piece:
                 out.append(piece)
     return "".join(out)
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll until `check()` holds (a request has reached the engine, a gauge moved), at most `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:

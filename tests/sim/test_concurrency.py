@@ -4,7 +4,8 @@ import asyncio
 
 import aiohttp
 
-from tests.sim.support import chat_body, content_of, read_sse, sample, scrape, until
+from tests.kit import until
+from tests.sim.support import chat_body, content_of, read_sse, sample, scrape
 
 
 async def test_64_concurrent_streams_complete(sim, http):

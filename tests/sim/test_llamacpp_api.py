@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from tests.sim.support import chat_body, read_sse, sample, scrape, until
+from tests.kit import until
+from tests.sim.support import chat_body, read_sse, sample, scrape
 
 LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 

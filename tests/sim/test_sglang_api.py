@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from gateway.sim.tokens import EOS_ID
-from tests.sim.support import chat_body, read_sse, sample, scrape, until
+from tests.kit import until
+from tests.sim.support import chat_body, read_sse, sample, scrape
 
 
 async def test_starting_window_health_503_ping_200_then_ready(sim, http):

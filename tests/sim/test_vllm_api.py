@@ -5,7 +5,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.sim.support import chat_body, content_of, read_sse, sample, scrape, until
+from tests.kit import until
+from tests.sim.support import chat_body, content_of, read_sse, sample, scrape
 
 
 async def test_health_ping_version_and_load(sim, http):

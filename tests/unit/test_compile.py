@@ -10,23 +10,32 @@ import subprocess
 import sys
 import tomllib
 
-from deploy.compile import COMPILED, compiled_files
+from deploy.compile import COMPILED, compiled_files, compiled_modules, source_of
 from tests.unit.test_layering import ROOT
 
 
 def test_every_compiled_module_is_type_checked():
     # mypyc trusts the annotations (it checks them at run time): a module outside mypy's files could lie.
     files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
-    for module in COMPILED:
-        assert module in files or module.split("/")[0] in files, module
+    for module in compiled_modules():
+        source = source_of(module)
+        assert any(source == f or source.startswith(f.rstrip("/") + "/") for f in files), source
+
+
+def test_every_compiled_name_is_a_module_or_a_package():
+    # A name left behind by a move would compile nothing, silently.
+    for name in COMPILED:
+        path = ROOT / name.replace(".", "/")
+        assert path.is_dir() or path.with_suffix(".py").exists(), name
+    assert len(compiled_modules()) > len(COMPILED)  # the packages were spelled out
 
 
 def test_the_suite_runs_the_build_it_was_told_to():
     # SHAPEGATE_COMPILED=1 (set by .ci/run for the compiled tree): every listed module must come from its
     # compiled form; otherwise none may, so that a stray .so never stands in for the sources under test.
     compiled = os.environ.get("SHAPEGATE_COMPILED") == "1"
-    for module in COMPILED:
-        path = importlib.import_module(module[:-3].replace("/", ".")).__file__ or ""
+    for module in compiled_modules():
+        path = importlib.import_module(module).__file__ or ""
         assert path.endswith(".so") is compiled, path
 
 

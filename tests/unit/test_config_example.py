@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, TypeAdapter
 
 import policies
-from gateway.keys.auth import hash_key
+from gateway.keys.principal import hash_key
 from gateway.config import KEY_PLACEHOLDER, ConfigError, GatewayConfig, RoutingConfig, load_config, parse_config
 from gateway.runtime import build_policy
 

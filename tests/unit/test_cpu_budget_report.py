@@ -3,13 +3,7 @@ concurrencies were asked for still renders as the c=64 run it was."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import cpu_budget
+from benchmarks import cpu_budget
 
 CONDITIONS = {"date": "2026-12-04 04:00 UTC", "commit": "abc1234", "dirty_paths": [], "machine": "Test CPU, 2 cores",
               "load_before": [0.1, 0.2, 0.3], "load_after": [0.2, 0.2, 0.3],

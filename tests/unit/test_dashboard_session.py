@@ -215,3 +215,46 @@ async def test_failing_provider_is_a_503_in_error_shape() -> None:
         resp = await c.get("/dashboard/feed", headers={"x-api-key": ADMIN_KEY})
         assert resp.status == 503
         assert (await _error_of(resp))["code"] == "stats_unavailable"
+
+
+# Sessions bound to the key that opened them (what the gateway uses: gateway/ops/admin_keys.py admin_binding).
+LIVE = {"admin-1": b"digest-of-admin-key"}
+
+
+async def test_a_bound_session_holds_only_while_its_key_is_a_live_admin() -> None:
+    live = dict(LIVE)
+    app = web.Application()
+    setup_dashboard(app, admin_for_key=_admin_for_key, session_secret=SECRET, stats_provider=dict,
+                    session_binding=live.get)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        login = await c.post("/dashboard/login", data={"key": ADMIN_KEY}, allow_redirects=False)
+        token = SimpleCookie(login.headers["Set-Cookie"])[COOKIE_NAME].value
+        assert orjson.loads(base64.urlsafe_b64decode(token.split(".")[0] + "==")).keys() == {"p", "exp"}
+        cookie = {"Cookie": f"{COOKIE_NAME}={token}"}
+        assert (await c.get("/dashboard/feed", headers=cookie)).status == 200
+        # Signed with the plain secret, the token would not do: it is signed for that key only.
+        assert verify_token(token, SECRET, now=NOW) is None
+        live["admin-1"] = b"digest-of-another-key"  # the id now names another key
+        assert (await c.get("/dashboard/feed", headers=cookie)).status == 401
+        del live["admin-1"]  # revoked, or no longer admin
+        assert (await c.get("/dashboard/feed", headers=cookie)).status == 401
+        login = await c.post("/dashboard/login", data={"key": ADMIN_KEY}, allow_redirects=False)
+        assert login.status == 401 and "Set-Cookie" not in login.headers
+        live["admin-1"] = LIVE["admin-1"]
+        assert (await c.get("/dashboard/feed", headers=cookie)).status == 200
+
+
+def test_session_principal_with_a_binding_checks_the_live_key() -> None:
+    from gateway.dashboard.session import bound_secret
+
+    token = issue_token("admin-1", bound_secret(SECRET, LIVE["admin-1"]), now=NOW, ttl_s=60)
+    request = make_mocked_request("GET", "/stats", headers={"Cookie": f"{COOKIE_NAME}={token}"})
+    assert session_principal(request, SECRET, now=NOW, binding=LIVE.get) == "admin-1"
+    assert session_principal(request, SECRET, now=NOW, binding={}.get) is None
+    assert session_principal(request, SECRET, now=NOW + 61, binding=LIVE.get) is None
+    plain = issue_token("admin-1", SECRET, now=NOW, ttl_s=60)  # an unbound token is no bound session
+    request = make_mocked_request("GET", "/stats", headers={"Cookie": f"{COOKIE_NAME}={plain}"})
+    assert session_principal(request, SECRET, now=NOW, binding=LIVE.get) is None
+    forged = _forged({"p": "admin-1", "exp": int(NOW) + 60}, bound_secret(OTHER, LIVE["admin-1"]))
+    request = make_mocked_request("GET", "/stats", headers={"Cookie": f"{COOKIE_NAME}={forged}"})
+    assert session_principal(request, SECRET, now=NOW, binding=LIVE.get) is None

@@ -33,7 +33,7 @@ from deploy.compose_plan import (
 )
 from deploy.config_watch import _config_arg
 from deploy.run_local import levels
-from gateway.keys.auth import hash_key
+from gateway.keys.principal import hash_key
 from gateway.cli.main import read_config
 from gateway.config import GatewayConfig
 from gateway.ops.lifecycle import CUT_MARGIN_S

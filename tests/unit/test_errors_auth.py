@@ -6,7 +6,8 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from gateway.keys.auth import Authenticator, hash_key, presented_key
+from gateway.keys.auth import Authenticator, presented_key
+from gateway.keys.principal import hash_key
 from gateway.config import AuthConfig
 from gateway.errors import GatewayError, error_from_event, normalize_engine_error
 

@@ -55,7 +55,11 @@ def test_subjects_by_key_session_user_and_header():
     assert experiment(subject="session").subject_of("alice", "s1", body, headers) == "s1"
     assert experiment(subject="user").subject_of("alice", "s1", body, headers) == "u-1"
     assert experiment(subject="header:X-Team").subject_of("alice", "s1", body, headers) == "blue"
-    assert experiment(subject="user").subject_of("alice", None, {"user": 5}, {}) is None
+    # Without its subject a request keeps to its session, else to its key: one conversation never hops arms.
+    assert experiment(subject="user").subject_of("alice", None, {"user": 5}, {}) == "alice"
+    assert experiment(subject="header:x-end-user").subject_of("alice", "s1", body, headers) == "s1"
+    assert experiment(subject="header:x-end-user").subject_of("alice", None, body, headers) == "alice"
+    assert experiment(subject="session").subject_of(None, None, body, headers) is None  # auth off: no key
 
 
 @pytest.mark.parametrize("bad, where", [

@@ -12,9 +12,11 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.keys.auth import Authenticator, hash_key
+from gateway.keys.auth import Authenticator
+from gateway.keys.principal import hash_key
 from gateway.config import AuthConfig, KeyLimits, StateConfig
-from gateway.keys.storage import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys
+from gateway.keys import storage
+from gateway.keys.storage import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys, TooManyKeys
 from gateway.keys.keystore import KeyExists, KeyNotFound, KeyStore, StoreUnavailable
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
@@ -180,3 +182,74 @@ async def test_unreachable_redis_refuses_changes_and_keeps_the_loaded_keys():
         await store.revoke("x")
     assert store.records == {} and await store.last_used() == {}
     await store.stop()
+
+
+async def test_a_store_takes_at_most_its_cap_of_run_time_keys(pair, monkeypatch):
+    a, b = pair
+    monkeypatch.setattr(storage, "MAX_RUNTIME_KEYS", 3)
+    for i in range(3):
+        await a.create(f"k{i}", admin=False, limits=None)
+    await b.refresh()
+    with pytest.raises(TooManyKeys):
+        await b.create("one-too-many", admin=False, limits=None)
+    await a.revoke("k0")
+    await b.refresh()
+    await b.create("room-again", admin=False, limits=None)
+    await a.refresh()
+    assert sorted(a.records) == ["k1", "k2", "room-again"]
+
+
+async def test_a_redis_record_under_another_field_is_listed_and_revoked_by_its_id():
+    if not await redis_up():
+        skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
+    prefix = f"shapegate-test:{secrets.token_hex(6)}:"
+    client = redis_asyncio.Redis.from_url(REDIS_URL)
+    s = redis_store(prefix)
+    try:
+        def row(key: str) -> bytes:
+            return orjson.dumps({"id": "moved", "sha256": hash_key(key), "admin": False, "created": 1.0})
+
+        # Written by hand (or another tool): the field names differ from the id the records hold.
+        await client.hset(prefix + "keys", mapping={"elsewhere": row("sk-elsewhere"), "moved": row("sk-own"),
+                                                    "zzz": row("sk-zzz"), "junk": b"{not json"})
+        await client.incr(prefix + "keys:version")
+        await s.start()
+        auth = Authenticator(CONFIG, s)
+        # One record per id, the same everywhere: the one stored under its own id.
+        assert list(s.records) == ["moved"] and auth.principal_for_key("sk-own").id == "moved"
+        await s.revoke("moved")
+        assert await client.hkeys(prefix + "keys") == [b"junk"]  # every field holding the id went
+        with pytest.raises(KeyNotFound):
+            await s.revoke("moved")
+        await client.hset(prefix + "keys", "only-elsewhere", row("sk-elsewhere"))
+        await client.incr(prefix + "keys:version")
+        await s.refresh()
+        assert auth.principal_for_key("sk-elsewhere").id == "moved"
+        await s.revoke("moved")
+        await s.refresh()
+        assert s.records == {} and auth.principal_for_key("sk-elsewhere") is None
+    finally:
+        await s.stop()
+        await client.aclose()
+        await _drop(prefix)
+
+
+async def test_stored_limits_beyond_the_bounds_are_left_out_not_served():
+    if not await redis_up():
+        skip_or_fail("no redis-server answers on 127.0.0.1:6379 (.ci/run starts one)")
+    prefix = f"shapegate-test:{secrets.token_hex(6)}:"
+    client = redis_asyncio.Redis.from_url(REDIS_URL)
+    s = redis_store(prefix)
+    try:
+        fine = {"id": "fine", "sha256": hash_key("sk-fine"), "admin": False, "created": 1.0, "limits": {"rpm": 10**9}}
+        # 2**64 by hand: orjson itself refuses to write it (which made GET /admin/keys fail for everyone).
+        huge = (f'{{"id": "huge", "sha256": "{hash_key("sk-huge")}", "admin": false, "created": 1.0, '
+                f'"limits": {{"rpm": {2**64}}}}}')
+        await client.hset(prefix + "keys", mapping={"huge": huge, "fine": orjson.dumps(fine)})
+        await client.incr(prefix + "keys:version")
+        await s.start()
+        assert list(s.records) == ["fine"] and s.records["fine"].limits.rpm == 10**9
+    finally:
+        await s.stop()
+        await client.aclose()
+        await _drop(prefix)

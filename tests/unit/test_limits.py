@@ -6,15 +6,17 @@ import random
 
 import pytest
 
-from gateway.keys.auth import Principal
-from gateway.config import KeyLimits, LimitsConfig, RateLimit
+from gateway.keys.principal import Principal
+from gateway.config import KeyLimits, LimitsConfig, RateLimit, ShapeConfig, StateConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.errors import GatewayError
-from gateway.limits.limiter import (REQUESTS, TOKENS, Buckets, Limiter, Need, build_plan, duration, duration_ms, headers,
-                            plan_lines, reservation_headers, reset_text, used_tokens)
-from gateway.observe.metrics import Metrics
-from gateway.routing.request import RequestState
+from gateway.limits.buckets import REQUESTS, TOKENS, Buckets, Need
+from gateway.limits.limiter import (Limiter, Reservation, build_plan, duration, duration_ms, headers, plan_lines,
+                                    reset_text, used_tokens)
+from gateway.limits.redis_buckets import SharedBuckets
 from gateway.limits.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
+from gateway.observe.metrics import Metrics
+from gateway.routing.shape import classify
 
 
 class Clock:
@@ -173,12 +175,6 @@ def test_only_served_replies_are_charged():
     assert used_tokens(None) == 0
 
 
-def request(principal: Principal) -> RequestState:
-    st = RequestState("req", None, "chat")  # type: ignore[arg-type]  # no server: the limiter never replies
-    st.principal = principal
-    return st
-
-
 async def test_the_limiter_reserves_refuses_and_settles():
     clock = Clock()
     metrics = Metrics(list)
@@ -186,19 +182,17 @@ async def test_the_limiter_reserves_refuses_and_settles():
     cfg = LimitsConfig(rpm=2, tpm=1000)
     p = Principal("team", admin=False)
     needs = lim.plan(p, "m", cfg)
-    st = request(p)
-    await lim.reserve(st, needs, 400, cfg)
-    assert st.limit is not None
-    h = reservation_headers(st.limit)
+    assert needs is not None
+    r = await lim.reserve(needs, 400, cfg)  # what it took is returned: the pipeline keeps it on the request
+    h = r.headers()
     assert h["x-ratelimit-remaining-requests"] == "1" and h["x-ratelimit-remaining-tokens"] == "600"
-    st.outcome = outcome(OK, prompt=20, completion=30)
-    lim.settle(st, st.limit)
-    assert lim.unsettled == 0 and st.limit is None
-    st2 = request(p)
-    await lim.reserve(st2, needs, 100, cfg)
-    assert st2.limit is not None and reservation_headers(st2.limit)["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
+    assert lim.unsettled == 1
+    r.settle(outcome(OK, prompt=20, completion=30))
+    assert lim.unsettled == 0
+    r2 = await lim.reserve(needs, 100, cfg)
+    assert r2.headers()["x-ratelimit-remaining-tokens"] == "850"  # 1000 - 50 used - 100 reserved
     with pytest.raises(GatewayError) as ei:
-        await lim.reserve(request(p), needs, 1, cfg)
+        await lim.reserve(needs, 1, cfg)
     e = ei.value
     assert (e.status, e.type, e.code) == (429, "requests", "rate_limit_exceeded")
     assert e.headers["Retry-After"] == "30" and e.headers["x-ratelimit-remaining-requests"] == "0"
@@ -210,8 +204,10 @@ async def test_a_request_larger_than_the_whole_limit_is_told_so_and_not_retried(
     lim = Limiter(Metrics(list), lambda: 1, clock=Clock())
     cfg = LimitsConfig(tpm=1000)
     p = Principal("team", admin=False)
+    plan = lim.plan(p, "m", cfg)
+    assert plan is not None
     with pytest.raises(GatewayError) as ei:
-        await lim.reserve(request(p), lim.plan(p, "m", cfg), 1001, cfg)
+        await lim.reserve(plan, 1001, cfg)
     e = ei.value
     assert (e.status, e.type, e.code) == (429, "tokens", "rate_limit_exceeded")
     assert "Request too large" in e.message and "1001" in e.message and "1000 tokens per minute" in e.message
@@ -224,15 +220,16 @@ async def test_each_process_holds_its_share_of_a_limit():
     cfg = LimitsConfig(rpm=60, tpm=100)
     p = Principal("team", admin=False)
     needs = lim.plan(p, "m", cfg)
+    assert needs is not None
     for _ in range(15):
-        await lim.reserve(request(p), needs, 1, cfg)
+        await lim.reserve(needs, 1, cfg)
     with pytest.raises(GatewayError):
-        await lim.reserve(request(p), needs, 1, cfg)
+        await lim.reserve(needs, 1, cfg)
     # A request larger than the share but within the whole limit still passes once the share is full.
     lim2 = Limiter(Metrics(list), lambda: 4, clock=Clock())
-    st = request(p)
-    await lim2.reserve(st, lim2.plan(p, "m", cfg), 80, cfg)
-    assert st.limit is not None and reservation_headers(st.limit)["x-ratelimit-limit-requests"] == "15"
+    plan2 = lim2.plan(p, "m", cfg)
+    assert plan2 is not None
+    assert (await lim2.reserve(plan2, 80, cfg)).headers()["x-ratelimit-limit-requests"] == "15"
 
 
 @pytest.mark.parametrize("data, value", [
@@ -268,22 +265,187 @@ def test_the_unrolled_usual_plan_decides_and_settles_as_the_general_path():
     for _ in range(500):
         clock.now += rnd.choice((0.0, 0.05, 0.5, 3.0))
         tokens = rnd.randint(0, 120)
-        st = request(p)
+        r: Reservation | None = None
         try:
-            lim.take(st, plan, tokens, clock.now)
+            r = lim.take(plan, tokens, clock.now)
         except GatewayError:
             pass
         refused, general_levels = general.take_slots(general_slots, plan.caps, (1, tokens), clock.now)
-        assert (st.limit is None) == (refused >= 0)
-        if st.limit is not None:
-            assert list(st.limit[2]) == general_levels
-            assert st.limit_lines == as_lines(reservation_headers(st.limit)) == plan_lines(plan, plan.caps, general_levels)
+        assert (r is None) == (refused >= 0)
+        if r is not None:
+            assert list(r.levels) == general_levels
+            assert r.lines == as_lines(r.headers()) == plan_lines(plan, plan.caps, general_levels)
             clock.now += rnd.choice((0.0, 0.2, 2.0))
-            st.outcome = outcome(rnd.choice((OK, OK, CLIENT_LEFT, ENGINE_ERROR)), rnd.randint(0, 60), rnd.randint(0, 90))
-            lim.settle(st, st.limit)
-            general.adjust_slots(general_slots[1:], plan.caps[1:], used_tokens(st.outcome) - tokens)
+            o = outcome(rnd.choice((OK, OK, CLIENT_LEFT, ENGINE_ERROR)), rnd.randint(0, 60), rnd.randint(0, 90))
+            r.settle(o)
+            general.adjust_slots(general_slots[1:], plan.caps[1:], used_tokens(o) - tokens)
         assert [s[:] for s in plan.slots] == [s[:] for s in general_slots]
 
 
 def test_reset_texts_are_durations():
     assert all(reset_text(ms) == duration_ms(ms) for ms in range(-3, 130000))
+
+
+def shape_of(body: dict, route: str = "chat") -> RequestShape:
+    return classify(route=route, body=body, session=None, principal="k", cfg=ShapeConfig(), want_prefix=False)
+
+
+def test_a_request_reserves_its_prompt_once_and_its_output_for_each_choice():
+    plan = build_plan("k", RateLimit(rpm=60, tpm=5000), None, None)
+    ask = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 100}
+    s = shape_of(ask)
+    assert plan.tokens(s, ask) == s.prompt_tokens + 100
+    assert plan.tokens(s, {**ask, "n": None}) == s.prompt_tokens + 100
+    assert plan.tokens(s, {**ask, "n": 3}) == s.prompt_tokens + 300
+    huge = {**ask, "max_tokens": 10 ** 12}  # read as asked: larger than the limit, so refused as too large
+    assert plan.tokens(shape_of(huge), huge) == s.prompt_tokens + 10 ** 12
+    # Without max_tokens: the expected output, for each choice too.
+    bare = {"model": "m", "messages": ask["messages"], "n": 2}
+    assert plan.tokens(shape_of(bare), bare) == s.prompt_tokens + 2 * ShapeConfig().default_output_tokens
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "100"), ("max_tokens", 100.0), ("max_tokens", True), ("max_tokens", -1), ("max_tokens", 0),
+    ("max_completion_tokens", "lots"), ("n_predict", -1), ("max_tokens", {"x": 1}),
+    ("n", "2"), ("n", 2.0), ("n", True), ("n", 0), ("n", -3),
+])
+def test_an_output_size_the_gateway_cannot_read_reserves_the_whole_tokens_limit(field, value):
+    plan = build_plan("k", RateLimit(rpm=60, tpm=5000), "m", RateLimit(tpm=3000))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
+    assert plan.tokens(shape_of(body), body) == 3000  # the tightest tokens limit: passes only on a full bucket
+    # Read elsewhere (a positive n_predict beside a bad max_tokens is what the shape stage goes by), or no
+    # tokens limit to reserve from: the estimate.
+    if field != "n":
+        both = {**body, "n_predict": 7}
+        assert plan.tokens(shape_of(both), both) == shape_of(both).prompt_tokens + 7
+    rpm_only = build_plan("k", RateLimit(rpm=60), None, None)
+    s = shape_of(body)
+    assert rpm_only.tokens(s, body) == s.prompt_tokens + s.output_tokens
+
+
+def test_embeddings_reserve_their_input_whatever_else_they_carry():
+    plan = build_plan("k", RateLimit(tpm=5000), None, None)
+    body = {"model": "m", "input": "x" * 40, "max_tokens": "n/a"}
+    s = shape_of(body, "embeddings")
+    assert plan.tokens(s, body) == s.prompt_tokens
+
+
+class FakeShared:
+    """SharedBuckets as the limiter sees it: answers as told (None: decide alone), outages counted, debts noted."""
+
+    def __init__(self) -> None:
+        self.levels: list[float] | None = None  # the levels Redis answers with; None: unusable
+        self.outages = 0
+        self.owed: dict[str, int] = {}
+        self.settled: dict[str, int] = {}
+
+    async def take(self, needs, costs, timeout_s):
+        if self.levels is None:
+            return None
+        refused = next((i for i, (level, cost) in enumerate(zip(self.levels, costs)) if level < cost), -1)
+        if refused < 0:
+            self.levels = [level - cost for level, cost in zip(self.levels, costs)]
+        return refused, list(self.levels)
+
+    def down(self) -> None:
+        self.levels = None
+        self.outages += 1
+
+    def owe(self, needs, costs) -> None:
+        for n, c in zip(needs, costs):
+            self.owed[n.name] = self.owed.get(n.name, 0) + c
+
+    def settle(self, needs, delta) -> None:
+        for n in needs:
+            self.settled[n.name] = self.settled.get(n.name, 0) + delta
+
+
+async def served(lim: Limiter, plan, cfg: LimitsConfig, tokens: int = 1, tries: int = 100) -> int:
+    """How many of `tries` requests pass, one after another at the same instant."""
+    n = 0
+    for _ in range(tries):
+        try:
+            await lim.reserve(plan, tokens, cfg)
+        except GatewayError:
+            continue
+        n += 1
+    return n
+
+
+async def test_local_buckets_carry_over_outages_and_recoveries():
+    clock, shared = Clock(), FakeShared()
+    lim = Limiter(Metrics(list), lambda: 2, shared, clock=clock)  # type: ignore[arg-type]
+    cfg = LimitsConfig(rpm=10)
+    plan = lim.plan(Principal("team", admin=False), "m", cfg)
+    assert plan is not None
+    shared.down()  # from the start: this process's share, 10 over 2 processes
+    assert await served(lim, plan, cfg) == 5
+    assert shared.owed == {plan.needs[0].name: 5}  # charged to Redis once it is back
+    clock.now += 12.0  # one request back on this share (5 a minute)
+    shared.levels = [10.0]  # back: the shared bucket decides
+    assert await served(lim, plan, cfg, tries=3) == 3
+    shared.down()  # away again: the local bucket kept its level (not refilled to full)
+    assert await served(lim, plan, cfg) == 1
+    for _ in range(3):  # flapping hands out nothing more
+        shared.levels = [0.0]
+        assert await served(lim, plan, cfg) == 0
+        shared.down()
+        assert await served(lim, plan, cfg) == 0
+    clock.now += 12.0
+    assert await served(lim, plan, cfg) == 1  # time refills it, at the share's pace
+
+
+async def test_an_outage_starts_from_this_process_s_share_of_what_redis_last_held():
+    clock, shared = Clock(), FakeShared()
+    lim = Limiter(Metrics(list), lambda: 2, shared, clock=clock)  # type: ignore[arg-type]
+    cfg = LimitsConfig(rpm=60, tpm=1000)
+    plan = lim.plan(Principal("team", admin=False), "m", cfg)
+    assert plan is not None
+    shared.levels = [5.0, 1000.0]
+    assert await served(lim, plan, cfg, tries=1) == 1  # Redis: 4 requests left for every process together
+    shared.down()
+    assert await served(lim, plan, cfg) == 2  # this one's half of them, not half of the whole limit
+
+
+async def test_a_process_that_never_reached_redis_goes_by_the_processes_setting():
+    shared = FakeShared()
+    shared.down()
+    lim = Limiter(Metrics(list), lambda: 1, shared, clock=Clock())  # type: ignore[arg-type]
+    plan = lim.plan(Principal("team", admin=False), "m", LimitsConfig(rpm=60))
+    assert plan is not None
+    assert await served(lim, plan, LimitsConfig(rpm=60, processes=4)) == 15
+    # A larger count seen in Redis wins over the setting.
+    lim6 = Limiter(Metrics(list), lambda: 6, shared, clock=Clock())  # type: ignore[arg-type]
+    plan6 = lim6.plan(Principal("team", admin=False), "m", LimitsConfig(rpm=60))
+    assert plan6 is not None
+    assert await served(lim6, plan6, LimitsConfig(rpm=60, processes=4)) == 10
+
+
+async def test_what_a_process_took_alone_is_owed_to_redis_with_its_settlement():
+    shared = FakeShared()
+    shared.down()
+    lim = Limiter(Metrics(list), lambda: 1, shared, clock=Clock())  # type: ignore[arg-type]
+    cfg = LimitsConfig(rpm=60, tpm=1000)
+    plan = lim.plan(Principal("team", admin=False), "m", cfg)
+    assert plan is not None
+    r = await lim.reserve(plan, 400, cfg)
+    r.settle(outcome(OK, prompt=20, completion=30))  # 50 used of 400 reserved
+    assert shared.owed == {plan.needs[0].name: 1, plan.needs[1].name: 50}
+    assert shared.settled == {}
+    shared.levels = [59.0, 1000.0]
+    r = await lim.reserve(plan, 400, cfg)  # on the shared buckets: settled there, nothing owed
+    r.settle(outcome(OK, prompt=20, completion=30))
+    assert shared.settled == {plan.needs[1].name: -350} and shared.owed[plan.needs[1].name] == 50
+
+
+async def test_what_is_owed_is_at_most_a_limit_and_waits_for_a_usable_redis():
+    sb = SharedBuckets(StateConfig(backend="redis"), Metrics(list))
+    needs = (Need("requests:k", REQUESTS, 10), Need("tokens:k", TOKENS, 1000))
+    for _ in range(30):
+        sb.owe(needs, (1, 100))
+    sb.owe(needs[1:], (-300,))
+    assert sb._owed == {"requests:k": [10, 10], "tokens:k": [1000, 700]}
+    sb.settle(needs[1:], -5)
+    await sb.flush()  # Redis unusable: settlements dropped (counted), the debt kept
+    assert sb._owed == {"requests:k": [10, 10], "tokens:k": [1000, 700]}
+    assert sb._pending == {} and sb.dropped == 1

@@ -3,18 +3,11 @@ work is taken out at the idle rate, and the report has one table per kind of req
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import path_instructions as pi  # noqa: E402
-
-from gateway.config import load_config  # noqa: E402
-from gateway.runtime import build_policy  # noqa: E402
+from benchmarks import path_instructions as pi
+from gateway.config import load_config
+from gateway.runtime import build_policy
 
 
 @pytest.mark.parametrize("off", [None, *pi.FEATURES])

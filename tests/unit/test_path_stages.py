@@ -4,13 +4,8 @@ from the requests that met the stages in the commonest order."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import path_stages
+from benchmarks import path_stages
 
 
 def test_every_stage_names_a_callable_its_callers_look_up():

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import peers_report
+from benchmarks.peers import round_order
 
-import peers_report
-from peers import round_order
+ROOT = Path(__file__).resolve().parents[2]
 
 # Per target, per round: (p50, p99, cpu/req, req/s) at the non-stream points and (ttft p50, ttft p99, cpu/stream,
 # tokens/s) at the stream points; c=1 and c=64 share them, which is enough for the renderer.

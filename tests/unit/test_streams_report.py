@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import streams_10k
 
-import streams_10k
+ROOT = Path(__file__).resolve().parents[2]
 
 RECORDED = json.loads((ROOT / "benchmarks" / "results" / "streams_10k.json").read_text())
 
