@@ -11,6 +11,8 @@ import aiohttp
 
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.contracts import READY, BackendView, LoadSample
+from gateway.errors import GatewayError, no_backend
+from gateway.fleet import served
 from gateway.fleet.engine_latency import EngineLatency
 from gateway.fleet.health import Breaker, HealthState
 from gateway.stats.rolling import BackendStats, LatencyModel
@@ -25,6 +27,15 @@ class BackendState:
         self.id = cfg.id
         self.engine = cfg.engine
         self.adapter = adapter
+        # [probe] at_start, and engines that refuse a configured model by name: public model -> why it is not
+        # routed here (the candidate filter's one lookup; /stats shows it).
+        self.unsupported: dict[str, str] = {}
+        self.listed: tuple[str, ...] | None = None  # the ids of the engine's GET /v1/models, as last read
+        # Configured models the engine refused by name: public -> (the name sent, its list when it refused, the
+        # reason in `unsupported`). Out of routing here until that list changes.
+        self.lacks: dict[str, tuple[str, tuple[str, ...] | None, str]] = {}
+        self._unlisted: dict[str, tuple[str, tuple[str, ...]]] = {}  # public -> (native, list) logged as missing
+        self.list_due = True
         self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
@@ -39,8 +50,6 @@ class BackendState:
         self._load_stale_s = 0.0
         self.apply_settings(gcfg)
         self.windows: dict[str, int] = {}  # public model -> context window the engine reported
-        # [probe] at_start: public model -> why this engine failed a required check for it (not routed here).
-        self.unsupported: dict[str, str] = {}
         self.probe_cfg = gcfg.probe
         self.probe_task: asyncio.Task | None = None  # the support probe running since the last promotion to ready
 
@@ -54,6 +63,12 @@ class BackendState:
         self.max_context = cfg.max_context
         self.interactive = cfg.interactive
         self.weight = cfg.weight
+        # A model no longer configured, or now under another engine name, is judged afresh.
+        for public in [p for p, (native, _, _) in self.lacks.items() if cfg.models.get(p) != native]:
+            self._serves_again(public)
+        for public in [p for p, (native, _) in self._unlisted.items() if cfg.models.get(p) != native]:
+            del self._unlisted[public]
+        self.list_due = True  # the engine's list is read (and judged against these models) at the next good probe
 
     def apply_settings(self, gcfg: GatewayConfig) -> None:
         """The gateway-wide settings a backend works by (at creation, and again on each reload)."""
@@ -89,6 +104,55 @@ class BackendState:
                 self.windows[public] = n
             else:
                 self.windows.pop(public, None)
+
+    # -- the models the engine serves by name ------------------------------------------------------
+    async def learn_models(self, timeout: float) -> None:
+        """Read the engine's model list (on promotion to ready, after a reload, again while it lacks a model) and
+        judge it."""
+        self.list_due = False
+        listed, why = await served.read_model_list(self.adapter, timeout)
+        if listed is None:
+            log.debug("model list of %s unknown: %s", self.id, why)  # kept as last read; routing goes on as it was
+            return
+        self.take_model_list(listed)
+
+    def take_model_list(self, listed: tuple[str, ...]) -> None:
+        """The engine's list as read: each configured model it does not name is logged with the fix, once per
+        list; a model it refused by name is routed here again once the list changed or names it."""
+        self.listed = listed
+        for public, native in self.models.items():
+            if native in listed:
+                self._unlisted.pop(public, None)
+            elif self._unlisted.get(public) != (native, listed):
+                self._unlisted[public] = (native, listed)
+                log.warning("%s", served.not_listed(self.id, self.engine, self.cfg.url, public, native, listed))
+        for public, (native, then, _) in list(self.lacks.items()):
+            if native in listed or (then is not None and then != listed):
+                self._serves_again(public)
+                log.info("backend %s: the engine now lists %s, model %s is routed there again", self.id,
+                         served.names(listed), public)
+            elif then is None:
+                self.lacks[public] = (native, listed, self.lacks[public][2])  # known now, and still without it
+
+    def refused_model(self, public: str, detail: str) -> str:
+        """The engine refused the configured name of `public` (model_not_found): no more requests for it here
+        until its model list changes. Returns the reason (shown in /stats), logged the first time only."""
+        known = self.lacks.get(public)
+        if known is not None:
+            return known[2]
+        native = self.models.get(public, public)
+        why = (f"the engine does not serve {served.model_named(public, native)} ({detail}; it lists: "
+               f"{served.names(self.listed)}): {served.fix(self.engine, public, native)}")
+        self.lacks[public] = (native, self.listed, why)
+        self.unsupported.setdefault(public, why)  # a support probe's verdict already there stays
+        log.warning("backend %s (%s at %s) refused model %s, not routed there until its model list changes: %s",
+                    self.id, self.engine, self.cfg.url, public, why)
+        return why
+
+    def _serves_again(self, public: str) -> None:
+        _, _, why = self.lacks.pop(public)
+        if self.unsupported.get(public) == why:
+            del self.unsupported[public]
 
     def usable(self, now: float) -> bool:
         return self.health.state == READY and self.breaker.allows(now)
@@ -183,6 +247,18 @@ class Pool:
         windows = [b.window(model) for b in self._by_model.get(model, ())]
         known = [w for w in windows if w is not None]
         return max(known) if known and len(known) == len(windows) else None
+
+    def unavailable(self, model: str, now: float) -> GatewayError:
+        """What a client gets when no backend takes `model` now: a 404 naming the misconfiguration when every
+        backend of it refused it by name, else a 503 with the soonest retry."""
+        owners = self._by_model.get(model) or []
+        if owners and all(model in b.lacks for b in owners):
+            b = owners[0]
+            native = b.models.get(model, model)
+            return GatewayError(404, f"The model `{model}` is configured on this gateway, but no backend's engine "
+                                f"serves it (a gateway misconfiguration: backend {b.id}: "
+                                f"{served.fix(b.engine, model, native)}).", param="model", code="model_not_found")
+        return no_backend(model, self.retry_hint(model, now))
 
     def retry_hint(self, model: str, now: float) -> float:
         """Seconds a client should wait when no backend can take `model`: the soonest breaker reopening (the

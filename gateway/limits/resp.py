@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from typing import Any
+from typing import Any, Final
 
 from redis.asyncio.connection import parse_url
 
@@ -72,6 +72,23 @@ def parse(buf: bytearray, pos: int) -> tuple[Any, int]:
     raise ProtocolError("not a Redis reply")
 
 
+CERT_REQS: Final = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def tls_context(opts: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS context a rediss:// URL asks for, read from the same ssl_* query options redis-py takes, so that the
+    limiter's connection trusts exactly what the other Redis clients of the gateway trust."""
+    ctx = ssl.create_default_context(cafile=opts.get("ssl_ca_certs"), capath=opts.get("ssl_ca_path"))
+    if opts.get("ssl_certfile"):
+        ctx.load_cert_chain(opts["ssl_certfile"], opts.get("ssl_keyfile"))
+    reqs = opts.get("ssl_cert_reqs", "required")
+    reqs = CERT_REQS.get(str(reqs).lower(), ssl.CERT_REQUIRED) if not isinstance(reqs, ssl.VerifyMode) else reqs
+    check = opts.get("ssl_check_hostname")
+    ctx.check_hostname = reqs != ssl.CERT_NONE and (check is None or str(check).lower() not in ("false", "0", "no"))
+    ctx.verify_mode = reqs
+    return ctx
+
+
 class RespConnection(asyncio.Protocol):
     """One connection; call() writes a command at once and returns the future of its reply. A future cancelled
     by its caller's timeout still takes its reply when it comes, so the ones after it get theirs."""
@@ -92,7 +109,7 @@ class RespConnection(asyncio.Protocol):
             await loop.create_unix_connection(lambda: conn, opts["path"])
         else:
             host, port = opts.get("host", "127.0.0.1"), int(opts.get("port", 6379))
-            tls = ssl.create_default_context() if url.startswith("rediss://") else None
+            tls = tls_context(opts) if url.startswith("rediss://") else None
             await loop.create_connection(lambda: conn, host, port, ssl=tls)
         try:
             if opts.get("password"):

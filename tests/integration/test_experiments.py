@@ -76,9 +76,12 @@ async def test_a_subject_keeps_its_arm_and_the_arm_serves_it(engines):
         assert all(len(arms) == 1 for arms in seen.values())  # sticky
         got_a = sum(arms == {"a"} for arms in seen.values())
         assert 8 <= got_a <= 32  # both arms get subjects at 50/50 (exact shares: tests/unit/test_experiments.py)
-        # No subject: each request draws its own arm.
+        # No subject: the request keeps to its session, else to its key ("user"), so a conversation never hops.
         arms = {(await arm_of(c, None))[0] for _ in range(30)}
-        assert arms == {"a", "b"}
+        assert arms == {gw.state.experiments.by_name["ab"].assign("user").name}
+        by_session = {s: {(await arm_of(c, None, {"x-session-id": s}))[0] for _ in range(3)} for s in "pqrstuvwxyz"}
+        assert all(len(arms) == 1 for arms in by_session.values())
+        assert set().union(*by_session.values()) == {"a", "b"}
     finally:
         await gw.stop()
 

@@ -39,8 +39,20 @@
   function figures(c) {
     const [a, b] = c.arms;
     const n = c.n || {};
-    return `${b} / ${a}: ratio ${fmt(c.ratio)} (95% CI ${fmt(c.ci_low)}–${fmt(c.ci_high)}), ` +
-      `noise floor ${fmtPct(c.noise_floor)}, ${c.better_is} is better; n ${a} ${n[a] ?? 0}, ${b} ${n[b] ?? 0}`;
+    const of = c.stat && c.stat !== 'mean' ? `${c.stat}s` : 'means';
+    return `${b} / ${a} (${of}): ratio ${fmt(c.ratio)} (95% CI ${fmt(c.ci_low)}–${fmt(c.ci_high)}), ` +
+      `noise floor ${fmtPct(c.noise_floor)}, margin ${fmtPct(c.margin)}, ${c.better_is} is better; ` +
+      `n ${a} ${n[a] ?? 0}, ${b} ${n[b] ?? 0}`;
+  }
+
+  // The median's and the tail's verdicts, under the mean's (the same samples).
+  function quantiles(x, klass, c) {
+    const qs = Object.values(c.quantiles || {});
+    if (!qs.length) return [];
+    return [el('div', { class: 'quantiles' }, ...qs.map((q) => el('div', {
+      class: `v-${q.verdict}`, title: figures(q), value: q.verdict,
+      testid: `verdict:${x.name}:${klass}:${q.metric}:${q.arms[1]}:${q.stat}`,
+    }, q.summary)))];
   }
 
   function renderVerdicts(x) {
@@ -54,9 +66,21 @@
     return el('div', { class: 'verdicts' }, ...names.map((name) => el('div', { testid: `verdicts:${x.name}:${name}` },
       el('h4', {}, name),
       el('ul', {}, ...groups.get(name).sort(byDecisiveness).map((c) => el('li', {
-        class: `v-${c.verdict}`, title: figures(c), value: c.verdict,
-        testid: `verdict:${x.name}:${name}:${c.metric}:${c.arms[1]}`,
-      }, c.summary))))));
+        class: `v-${c.verdict}`, value: c.verdict,
+      }, el('span', { title: figures(c), value: c.verdict, testid: `verdict:${x.name}:${name}:${c.metric}:${c.arms[1]}` },
+        c.summary), ...quantiles(x, name, c)))))));
+  }
+
+  // An arm the error guard stopped: why, since when, how to resume it (on the command line or the admin API).
+  function guarded(x) {
+    const lines = (x.arms || []).filter((a) => a.guard).map((a) => {
+      const g = a.guard;
+      const where = (x.processes ?? 1) > 1 ? ` on ${g.processes} of ${x.processes} processes` : '';
+      return el('p', { class: 'guard', testid: `guard:${x.name}:${a.name}`, value: g.at },
+        `arm ${a.name} stopped by the error guard${where} since ${clock(g.at)}: ${g.reason}. `,
+        el('small', {}, `shapegate ab start ${x.name} resumes it`));
+    });
+    return lines.length ? [el('div', { class: 'guards' }, ...lines)] : [];
   }
 
   // Copies sent to a shadow arm, those skipped (the arm busy or unhealthy), and whether it says what the primary said.
@@ -90,7 +114,7 @@
     const rows = (x.arms || []).map((a) => {
       const every = a.classes?.all || {};
       return el('tr', { testid: `arm:${x.name}:${a.name}` },
-        el('td', { class: 'id' }, a.name),
+        el('td', { class: 'id' }, a.name, a.guard ? badge('guard', 'stopped', `arm-guard:${x.name}:${a.name}`) : ''),
         el('td', {}, a.backends ? a.backends.join(', ') : el('small', { class: 'engine' }, 'its usual backends')),
         el('td', { class: 'n' },
           num(`arm-share:${x.name}:${a.name}`, a.share, a.share == null ? '—' : fmtPct(a.share))),
@@ -103,10 +127,11 @@
 
   function renderExperiment(x) {
     const how = x.mode === 'shadow' ? `shadow, copies of ${fmtPct(x.fraction)} of requests` : x.mode;
+    const margin = x.practical_margin == null ? '' : ` · differences under ${fmtPct(x.practical_margin)} are none`;
     return el('article', { class: 'experiment', testid: `experiment:${x.name}` },
       el('h3', {}, x.name, ' ', badge('experiment', x.enabled ? 'running' : 'stopped', `experiment-state:${x.name}`),
-        el('small', {}, ` model ${x.model} · ${how} · subject ${x.subject}`)),
-      renderArms(x), renderVerdicts(x));
+        el('small', {}, ` model ${x.model} · ${how} · subject ${x.subject}${margin}`)),
+      renderArms(x), ...guarded(x), renderVerdicts(x));
   }
 
   function render(report) {
