@@ -1,7 +1,7 @@
 """Failover under injected faults (kills, hangs, 5xx bursts, slow starts, recoveries), with no request lost."""
 
 # Starts four simulated engines (`python -m gateway.sim`, R9700 profiles: two vLLM, one SGLang, one
-# llama.cpp) and the gateway (`python -m gateway.cli.main serve`) as subprocesses on loopback, drives N
+# llama.cpp) and the gateway (`python -m gateway.cli serve`) as subprocesses on loopback, drives N
 # streamed chat requests at concurrency C through the gateway, and injects faults throughout:
 #   kill   SIGKILL an engine process (streams on it die mid-way), restart it on the same port
 #   kill2  two engines at once

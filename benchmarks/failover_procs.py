@@ -37,7 +37,7 @@ class Gateway(Proc):
     def __init__(self, config: Path) -> None:
         port = restartable_port()
         # stderr kept beside the config for a look when something goes wrong
-        super().__init__([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config),
+        super().__init__([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                           "--port", str(port)], port, "/readyz", log=config.with_suffix(".log"))
 
 

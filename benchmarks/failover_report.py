@@ -80,7 +80,7 @@ def _header(meta: dict, runs: list[dict]) -> list[str]:
         f"{meta['elapsed_s']:.0f} s in all. Command: `{meta['command']}`."),
         "",
         f"{len(runs)} repeat(s), each with fresh engines and gateway: {meta['requests']} streamed chat requests at "
-        f"concurrency {meta['concurrency']} through the gateway (`python -m gateway.cli.main serve`: {g['policy']}, "
+        f"concurrency {meta['concurrency']} through the gateway (`python -m gateway.cli serve`: {g['policy']}, "
         f"{deadline}, up to {g['max_attempts']} attempts, breaker {g['breaker_failures']} failures / "
         f"{g['breaker_open_s']:g} s open, health probes every {g['probe_interval_s']:g} s, SGLang's every "
         f"{g['sglang_probe_interval_s']:g} s) in front of {len(meta['engines'])} simulated engines run as processes "

@@ -56,11 +56,11 @@ def admin_reload(base: str) -> None:
 
 
 # -- processes -----------------------------------------------------------------------------------
-# `python -m gateway.cli.main`, less the editable install's finder: it sits last on sys.meta_path and would hand a
+# `python -m gateway.cli`, less the editable install's finder: it sits last on sys.meta_path and would hand a
 # gateway run from another tree (a baseline, a compiled copy) the work tree's copy of any module that tree lacks
 # (an optional `try: import` is enough).
 LAUNCH = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '')"
-          ".startswith('__editable__')]; runpy.run_module('gateway.cli.main', run_name='__main__', alter_sys=True)")
+          ".startswith('__editable__')]; runpy.run_module('gateway.cli', run_name='__main__', alter_sys=True)")
 
 
 QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # Popen's arguments for a process kept silent
@@ -74,7 +74,7 @@ def script(name: str, *args: str) -> list[str]:
 def serve_argv(cfg: Path, port: int, tree: Path | None = None) -> list[str]:
     """`shapegate serve` on `cfg` and `port`: `python -m` of this tree, or of the source tree `tree` alone (which
     it must run in, with `tree_env`)."""
-    head = [sys.executable, "-m", "gateway.cli.main"] if tree is None else [sys.executable, "-c", LAUNCH]
+    head = [sys.executable, "-m", "gateway.cli"] if tree is None else [sys.executable, "-c", LAUNCH]
     return [*head, "serve", "--config", str(cfg), "--port", str(port)]
 
 

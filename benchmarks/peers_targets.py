@@ -197,7 +197,7 @@ def start_shapegate(tmp: Path, engines: list[str], workers: int, compiled: bool 
     label = "shapegate" if workers == 1 else f"shapegate --workers {workers}"
     where = "in a copy compiled by deploy/compile.py" if compiled else "from the uncompiled sources"
     return Target(tid, label if compiled else "shapegate, uncompiled", url, proc, version(),
-                  "python3 -m gateway.cli.main serve --config CFG" + (f" --workers {workers}" if workers > 1 else "")
+                  "python3 -m gateway.cli serve --config CFG" + (f" --workers {workers}" if workers > 1 else "")
                   + f" ({where})", log)
 
 

@@ -264,4 +264,4 @@ def local_argv(s: Service, port: int, config: Path | None) -> list[str]:
         put("--config", str(config))
     put("--host", LOCAL_HOST)
     put("--port", str(port))
-    return [sys.executable, "-m", "gateway.cli.main", *args]
+    return [sys.executable, "-m", "gateway.cli", *args]

@@ -37,8 +37,8 @@ def _argv(pid: str, proc: Path) -> list[str]:
 def _config_arg(argv: list[str]) -> str | None:
     """The --config value of a `shapegate serve` command line; None for any other command."""
     for i, arg in enumerate(argv[1:], 1):
-        # `shapegate serve` (the console script) or `python -m gateway.cli.main serve`.
-        if arg == "serve" and (os.path.basename(argv[i - 1]) == "shapegate" or argv[i - 1] == "gateway.cli.main"):
+        # `shapegate serve` (the console script) or `python -m gateway.cli serve`.
+        if arg == "serve" and (os.path.basename(argv[i - 1]) == "shapegate" or argv[i - 1] == "gateway.cli"):
             rest = argv[i + 1:]
             for j, opt in enumerate(rest):
                 if opt == "--config" and j + 1 < len(rest):

@@ -60,11 +60,11 @@ def write_config(directory: Path, cfg: dict[str, Any], name: str = "gw.toml") ->
 
 async def shapegate(*args: str, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None,
                     unset: Iterable[str] = (), timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run `python -m gateway.cli.main ARGS` as a process, stdin closed, this loop serving meanwhile (its engines,
+    """Run `python -m gateway.cli ARGS` as a process, stdin closed, this loop serving meanwhile (its engines,
     its gateway): (exit status, stdout, stderr). `env` adds to this process's environment, less `unset`."""
     gone = set(unset)
     proc = await asyncio.create_subprocess_exec(
-        *prefix, sys.executable, "-m", "gateway.cli.main", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        *prefix, sys.executable, "-m", "gateway.cli", *args, cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**{k: v for k, v in os.environ.items() if k not in gone}, "PYTHONPATH": str(ROOT), **(env or {})})
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -95,7 +95,7 @@ def sim_proc(engine: str, port: int | None = None, *extra: str) -> Proc:
 
 def gateway_proc(config_path: Path, port: int | None = None, log: Path | None = None) -> Proc:
     port = port or free_port()
-    return Proc([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config_path), "--port", str(port)],
+    return Proc([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--port", str(port)],
                 port, "/readyz", log)
 
 

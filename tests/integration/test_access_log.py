@@ -43,7 +43,7 @@ async def test_one_line_per_request_with_its_outcome(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = asyncio.create_task(proc.stdout.read()), asyncio.create_task(proc.stderr.read())
     try:

@@ -173,7 +173,7 @@ async def test_workers_share_one_session_secret_and_all_refuse_a_revoked_key(eng
     port = free_port()
     (tmp_path / "gw.toml").write_text(to_toml(config(engine)))  # no session_secret_env
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         "--workers", "2", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -73,7 +73,7 @@ async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
                 arms[f"user-{i}"] = raw.headers["x-shapegate-arm"]
         assert set(arms.values()) == {"vllm", "sglang"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.cli.main", "ab", "--url", url, "--key", key,
+            sys.executable, "-m", "gateway.cli", "ab", "--url", url, "--key", key,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
         table = stdout.decode()

@@ -208,7 +208,7 @@ async def test_a_ramp_reaches_every_worker_of_one_process_group(engines, tmp_pat
     path = tmp_path / "gw.toml"
     path.write_text(to_toml(split_config(engines, weights=(100, 0))))
     port = free_port()
-    gw = Proc([sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(path), "--port", str(port),
+    gw = Proc([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port),
                "--workers", "2"], port, "/readyz", tmp_path / "gw.log")
     await gw.start()
     try:

@@ -230,7 +230,7 @@ async def test_two_workers_add_up_in_one_scrape(tmp_path):
                          server={"access_log": True})
     (tmp_path / "gw.toml").write_text(to_toml(cfg))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         "--workers", "2", cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     out = asyncio.create_task(proc.stdout.read())

@@ -60,7 +60,7 @@ async def test_each_outcome_lands_alike_in_all_four_places(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     out = asyncio.create_task(proc.stdout.read())
     try:

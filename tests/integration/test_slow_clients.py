@@ -184,7 +184,7 @@ async def gateway_process(tmp_path, cfg: dict, nofile: int | None = None) -> Gat
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         preexec_fn=limit_files if nofile is not None else None)
     gp = GatewayProcess(proc, port)

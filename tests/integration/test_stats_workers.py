@@ -32,7 +32,7 @@ async def test_stats_merge_every_worker_and_count_each_request_once(tmp_path):
     cfg = gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m1"]}])
     (tmp_path / "gw.toml").write_text(to_toml(cfg))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gw.toml"), "--port", str(port),
         "--workers", "2", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

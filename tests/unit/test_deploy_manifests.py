@@ -193,7 +193,7 @@ def test_local_mirror_keeps_the_compose_ports_replicas_and_config():
     # Started dependencies first and stopped dependents first, a level at a time, as compose does.
     assert levels(svcs, start_order(svcs)) == [["redis", "vllm-0", "sglang-0", "llama-0"], ["gateway-1", "gateway-2"]]
     argv = local_argv(svcs["gateway-2"], ports["gateway-2"], Path("/tmp/g.toml"))
-    assert argv[1:5] == ["-m", "gateway.cli.main", "serve", "--config"] and option(argv, "--port") == "8081"
+    assert argv[1:5] == ["-m", "gateway.cli", "serve", "--config"] and option(argv, "--port") == "8081"
     addresses = {name: (listen_port(s), ports[name]) for name, s in svcs.items()}
     text = render_config((DEPLOY / "config" / "gateway.toml").read_text(), addresses, "test:")
     data = tomllib.loads(text)
@@ -330,7 +330,7 @@ def test_dockerfile_ships_what_compose_and_kubernetes_run():
 
 @pytest.mark.parametrize(("argv", "want"), [
     (["/usr/local/bin/python", "/usr/local/bin/shapegate", "serve", "--config", "/etc/s/g.toml"], "/etc/s/g.toml"),
-    (["python", "-m", "gateway.cli.main", "serve", "--port", "1", "--config=/x.toml"], "/x.toml"),
+    (["python", "-m", "gateway.cli", "serve", "--port", "1", "--config=/x.toml"], "/x.toml"),
     (["/usr/local/bin/shapegate", "check", "--config", "/etc/s/g.toml"], None),
     (["python", "config_watch.py", "--config", "/etc/s/g.toml"], None),
     (["vim", "serve", "--config", "/etc/s/g.toml"], None),
