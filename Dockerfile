@@ -1,4 +1,6 @@
-# Slim image running the gateway: docker run -v ./config.toml:/etc/shapegate/config.toml -p 8080:8080 shapegate
+# Slim image running the gateway, under one name wherever it is used (deploy/compose.yaml, deploy/k8s/):
+#   docker build -t shapegate:0.1.0 .
+#   docker run -v ./config.toml:/etc/shapegate/config.toml -p 8080:8080 shapegate:0.1.0
 # The same image runs the engine simulator (`sim ...`, deploy/compose.yaml) and the configuration watcher that
 # reloads the gateway when a Kubernetes ConfigMap changes (deploy/k8s/gateway.yaml).
 
@@ -6,7 +8,7 @@
 # image takes the compiled tree and runs it from /app, ahead of the plain copy pip installs.
 FROM python:3.11 AS compiled
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY gateway ./gateway
 COPY policies ./policies
 COPY backends ./backends

@@ -25,6 +25,9 @@ class LlamaCppBackend(OpenAIHTTPBackend):
     }
     needs_max_tokens = True
     props_path = "/props"
+    # Its prompt and generation timings: on a non-streamed reply, and on a stream's finish or usage chunk (every
+    # chunk when the client asks for `timings_per_token`).
+    private_fields = ("timings",)
 
     async def context_window(self, model: str, timeout: float) -> int | None:
         """The per-slot context (-c split over --parallel): what one request may hold here."""

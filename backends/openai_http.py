@@ -98,6 +98,9 @@ class OpenAIHTTPBackend:
     deep_probe_generates: ClassVar[bool] = False
     # Engines that ignore max_completion_tokens get it as max_tokens.
     needs_max_tokens: ClassVar[bool] = False
+    # Top-level fields of its replies (and stream chunks) that are the engine's own, not OpenAI's: the gateway
+    # drops them unless [server] (or the backend's) engine_private_fields keeps them.
+    private_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,

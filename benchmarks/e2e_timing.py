@@ -139,7 +139,8 @@ async def gateway_overhead_ms(http: aiohttp.ClientSession, gw: RunningGateway) -
 async def bench_engine(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     handle = await (start_llama_server() if engine == "llamacpp" else start_vllm_server(max_num_seqs=2))
     try:
-        gw = await start_gateway(config([backend(engine, engine, handle.url)]))
+        # llama.cpp's `timings` (its own TTFT and ITL) reach this client only if the gateway keeps them.
+        gw = await start_gateway(config([backend(engine, engine, handle.url) | {"engine_private_fields": True}]))
         try:
             async with aiohttp.ClientSession() as http:
                 for i in range(3):  # the first requests after a start are slow on both engines

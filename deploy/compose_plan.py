@@ -142,7 +142,9 @@ def _mounts(name: str, spec: list, base: Path) -> list[tuple[Path, str]]:
             source, target = v.get("source"), v["target"]
         else:
             source, target = str(v).split(":")[:2]
-        if not source or not (source.startswith((".", "/", "~"))):
+        if source and not source.startswith((".", "/", "~")):
+            continue  # a named volume (Redis's data): the container's own storage, nothing here to mirror
+        if not source:
             raise ComposeError(f"{name}: only bind mounts can be mirrored, not {v!r}")
         out.append(((base / os.path.expanduser(source)).resolve(), target))
     return out

@@ -25,7 +25,16 @@ from pathlib import Path
 
 import aiohttp
 
-from deploy.compose_plan import (
+DEPLOY_EXTRA = "pip install -e '.[deploy]'"
+try:
+    import yaml  # deploy.compose_plan reads the compose file with it: not a dependency of the gateway itself
+except ModuleNotFoundError:
+    if __name__ != "__main__":
+        raise
+    print(f"run_local: PyYAML is needed to read deploy/compose.yaml: {DEPLOY_EXTRA}", file=sys.stderr)
+    sys.exit(2)
+
+from deploy.compose_plan import (  # noqa: E402 (after the check above)
     COMPOSE,
     DEMO_KEYS,
     LOCAL_HOST,
@@ -41,6 +50,7 @@ from deploy.compose_plan import (
     services,
     start_order,
 )
+from gateway.cli.main import Parser
 from gateway.config import ConfigError, load_config
 from gateway.runtime import build_policy
 
@@ -98,7 +108,11 @@ class Stack:
         if shutil.which(s.command[0] if s.command else "redis-server") is None:
             raise ComposeError(f"no Redis answers on {LOCAL_HOST}:{port} and redis-server is not installed")
         self.ports[s.name] = free_port()
-        await self._spawn(s, local_argv(s, self.ports[s.name], None))
+        # Its files (the compose asks for an append-only file) in the stack's directory, not the repository's:
+        # a stack run here is a test run, and its Redis goes with it.
+        data = self.workdir / s.name
+        data.mkdir(exist_ok=True)
+        await self._spawn(s, [*local_argv(s, self.ports[s.name], None), "--dir", str(data)])
         self.redis_started = True
 
     async def _spawn(self, s: Service, argv: list[str]) -> None:
@@ -243,10 +257,20 @@ def check_ports_free(stack: Stack) -> None:
                                    "--ports free runs the stack on free ports") from None
 
 
-async def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace) -> Stack:
+    """The compose file's stack, its ports checked, nothing started: ComposeError, OSError or yaml.YAMLError if
+    it cannot run."""
     stack = Stack(args.compose.resolve(), args.ports == "free", args.key_prefix)
     if not stack.free:
-        check_ports_free(stack)
+        try:
+            check_ports_free(stack)
+        except ComposeError:
+            shutil.rmtree(stack.workdir, ignore_errors=True)
+            raise
+    return stack
+
+
+async def run(args: argparse.Namespace, stack: Stack) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -279,7 +303,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m deploy.run_local", description=__doc__)
+    p = Parser(prog="python3 -m deploy.run_local", description=__doc__)
     p.add_argument("--compose", type=Path, default=COMPOSE, help="the compose file (default: deploy/compose.yaml)")
     p.add_argument("--ports", choices=("compose", "free"), default="compose",
                    help="compose: the compose file's ports (default); free: any free ports")
@@ -287,10 +311,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--status-file", type=Path, default=None,
                    help="write the services' URLs and pids here (JSON) once all are healthy")
     args = p.parse_args(argv)
+    # What keeps the stack from starting at all is a usage error (exit 2); a service that fails to start, 1.
     try:
-        import uvloop
+        stack = prepare(args)
+    except ComposeError as e:
+        log(str(e))
+        return 2
+    except yaml.YAMLError as e:
+        log(f"{args.compose}: not valid YAML: {' '.join(str(e).split())}")
+        return 2
+    except OSError as e:  # the compose file cannot be read
+        log(f"cannot read {e.filename or args.compose}: {e.strerror or e}")
+        return 2
+    import uvloop
 
-        return uvloop.run(run(args))
+    try:
+        return uvloop.run(run(args, stack))
     except ComposeError as e:
         log(str(e))
         return 1

@@ -17,15 +17,16 @@ import orjson
 from aiohttp import web
 
 from gateway.config import GatewayConfig, StateConfig
-from gateway.dashboard import session_principal, setup_dashboard
+from gateway.dashboard import FeedHistory, session_principal, setup_dashboard
 from gateway.errors import GatewayError
 from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.experiments.share import ExperimentShare
 from gateway.experiments.share import share_loop as experiment_share_loop
 from gateway.fleet.health import load_loop, probe_loop
-from gateway.http.front import Front, start_serving
-from gateway.http.inner import PEER_HEADER
+from gateway.http.front import API_ROUTES, Front, start_serving
+from gateway.http.inner import PEER_HEADER, unknown_path
 from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
+from gateway.ops.keys_view import keys_view
 from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
@@ -77,7 +78,8 @@ async def unmatched(request: web.Request) -> web.Response:
                       if r.resource is not None and r.resource.canonical == request.path and r.method != "*"})
     if allowed:
         raise web.HTTPMethodNotAllowed(request.method, allowed)
-    raise web.HTTPNotFound()
+    known = {*API_ROUTES, *(r.resource.canonical for r in request.app.router.routes() if r.resource is not None)}
+    raise GatewayError(404, unknown_path(request.path, known), code="not_found")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -135,6 +137,7 @@ async def experiments(request: web.Request) -> web.Response:
 
 
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
+FEED_HISTORY: web.AppKey[FeedHistory] = web.AppKey("feed_history", FeedHistory)
 
 
 def dashboard_secret(cfg: GatewayConfig) -> bytes:
@@ -212,7 +215,7 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
                                             lambda b, state: g.metrics.health_change(b.id, state)),
                                  name="probe-loop"),
              asyncio.create_task(load_loop(g.pool, lambda: g.cfg.health), name="load-loop"),
-             asyncio.create_task(_flush_loop(g), name="log-flush")]
+             asyncio.create_task(_flush_loop(g, app.get(FEED_HISTORY)), name="log-flush")]
     # Other workers and replicas read this process's stats summary; it is published off the request path.
     stop_sharing = asyncio.Event()
     sharing = (asyncio.create_task(share_loop(g.sharing, lambda: take_summary(g), stop_sharing), name="stats-share")
@@ -251,12 +254,15 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     g.metrics.refresh()  # with several workers: this one's last counts, for the workers still serving
 
 
-async def _flush_loop(g: Gateway) -> None:
+async def _flush_loop(g: Gateway, history: FeedHistory | None) -> None:
     while True:
         await asyncio.sleep(0.2)
         g.access_log.flush()
-        fold_counters(g, time.monotonic())  # breaker openings reach /metrics within 0.2 s
+        now = time.monotonic()
+        fold_counters(g, now)  # breaker openings reach /metrics within 0.2 s
         g.metrics.refresh()  # with several workers: this one's pool view, for whichever answers a scrape
+        if history is not None:  # the dashboard's charts' past: the feed as it is now, once a second
+            history.sample(lambda: stats_report(g), now)
 
 
 @contextlib.asynccontextmanager
@@ -292,13 +298,16 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app[DASHBOARD_SECRET] = dashboard_secret(cfg)
     if cfg.dashboard.enabled:
         gw = app[GATEWAY]
+        # Each worker keeps the feed it would serve (its process group merged), so any of them fills the charts.
+        history = app[FEED_HISTORY] = FeedHistory()
         # admin_for_key through gw.auth as it is at each sign-in: a reload replaces the Authenticator.
         setup_dashboard(app, admin_for_key=lambda key: gw.auth.admin_for_key(key),
                         session_secret=app[DASHBOARD_SECRET],
                         stats_provider=lambda: stats_report(gw), secure_cookie=cfg.dashboard.secure_cookie,
                         session_ttl_s=cfg.dashboard.session_ttl_s,
                         wrap=lambda h: guarded(h, key=False),  # its own sign-in: cookie or admin key
-                        session_binding=functools.partial(admin_binding, gw), peer_header=PEER_HEADER)
+                        session_binding=functools.partial(admin_binding, gw), peer_header=PEER_HEADER,
+                        history=history, keys_provider=lambda: keys_view(gw))
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))

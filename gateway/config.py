@@ -39,6 +39,9 @@ class ServerConfig(Strict):
     # Start-up's objects frozen out of garbage collection before serving, and the young generation sized for
     # the requests in flight (gateway/observe/loop_watch.py).
     gc_freeze: bool = True
+    # Fields an engine adds to OpenAI's replies of its own (llama.cpp's `timings`): dropped unless kept here, or
+    # per backend ([[backends]] engine_private_fields), so that clients see one API whichever engine answered.
+    engine_private_fields: bool = False
 
 
 # Beyond any engine fleet (a billion requests, a trillion tokens a minute); larger numbers would only overflow
@@ -171,6 +174,8 @@ class HealthConfig(Strict):
     backoff_max_s: float = Field(2.0, gt=0)
     warmup: bool = True
     warmup_timeout_s: float = Field(10.0, gt=0)
+    # A backend not ready this long after it was added is logged with why (again when the cause changes).
+    startup_grace_s: float = Field(30.0, gt=0)
 
 
 class AdmissionConfig(Strict):
@@ -254,6 +259,7 @@ class BackendConfig(Strict):
     # Tokens one request may hold here (prompt + output): discovered from the engine when it says; this
     # overrides it, or supplies it for an engine that does not.
     max_context: int | None = Field(None, ge=1)
+    engine_private_fields: bool | None = None  # None: as [server] engine_private_fields says
 
     @field_validator("engine")
     @classmethod

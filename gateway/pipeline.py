@@ -15,13 +15,13 @@ from gateway.routing.admission import admit
 from gateway.routing.context import fitting
 from gateway.contracts import (PATHS, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
-from gateway.errors import (GatewayError, bad_request, model_not_found, no_backend, normalize_engine_error,
+from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error,
                             shutting_down, upstream_failed, upstream_timeout)
 from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
-                              charge_timeout, settle)
+                              charge_timeout, model_refused, settle)
 from gateway.http.headers import trace_headers, valid_request_id
 from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, stream_status
-from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
+from gateway.routing.relay import DroppingModelRewrite, EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import Exchange, RequestState
 from gateway.routing.shape import classify, session_of
 
@@ -116,7 +116,7 @@ async def handle(g: Gateway, st: RequestState) -> Any:
         choice = experiments.enter(g.experiments, caller, shape, body, headers, candidates)
         candidates, arm, st.split, st.shadow = choice.candidates, choice.arm, choice.split, choice.shadow
     if not candidates:
-        raise no_backend(shape.model, g.pool.retry_hint(shape.model, now))
+        raise g.pool.unavailable(shape.model, now)
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
     candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)
     policy = g.policy_for(shape.model)
@@ -198,7 +198,7 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
         return resp
     if last_error is not None:
         raise last_error
-    raise no_backend(shape.model, g.pool.retry_hint(shape.model, time.monotonic()))
+    raise g.pool.unavailable(shape.model, time.monotonic())
 
 
 def _usable_after(g: Gateway, ranked: tuple[BackendView, ...], i: int) -> Iterator[BackendState]:
@@ -244,13 +244,14 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         status = reply.status
         if status >= 400:
             err = normalize_engine_error(status, await _read_quietly(reply, cfg.max_error_bytes))
-            retry = charge_engine_error(b, err, reply.headers, cfg.health)
+            retry = charge_engine_error(b, err, reply.headers, cfg.health, shape.model)
             if retry is None:
                 engine_ok = True  # the engine answered properly; the request was at fault
                 g.metrics.client_error(b.id, status)
                 raise err  # never retried, never counted against the engine
             raise retry
-        rename = ModelRewrite(shape.model)
+        drop = b.private_fields  # the engine's own reply fields, unless kept: none on most engines
+        rename = DroppingModelRewrite(shape.model, drop) if drop else ModelRewrite(shape.model)
         if shape.stream:
             meter = StreamMeter()
             resp = await stream_reply(g, st, b, reply, meter, rename, started, first_by)
@@ -333,7 +334,7 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
         if err.status >= 500:
             charge(b)
             raise Retryable(err)
-        raise err
+        raise model_refused(b, err, st.shape.model if st.shape is not None else "") or err
     opts = st.body.get("stream_options")
     client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).

@@ -30,6 +30,7 @@ from gateway.observe.metrics import Metrics
 from gateway.routing.request import ExperimentRef, RequestState
 from gateway.fleet.pool import BackendState, Pool
 from gateway.routing.affinity import AffinityIndex
+from gateway.stats.key_usage import KeyUsage
 from gateway.stats.rolling import OutputEstimator, Tally
 from gateway.stats.merge import group_report
 from gateway.stats.share import Sharing
@@ -102,6 +103,8 @@ class Gateway:
         self.access_log = AccessLog(cfg.server.access_log, on_drop=self.metrics.log_drop)
         # Per request: refusals and routing reasons by class; failovers and breaker openings folded in (/stats).
         self.tally = Tally()
+        # Per key id: attempts, refusals and tokens over the window (the dashboard's keys view), bounded.
+        self.key_usage = KeyUsage(cfg.stats.window_s)
         self.experiments = Experiments(cfg.experiments)
         self.shadow_tasks: set = set()  # copies in flight (gateway/experiments/shadow.py): cancelled at shutdown
         # The last /admin/experiments report (gateway/ops/admin_experiments.py): (its key, when, the report).
@@ -222,6 +225,7 @@ class Gateway:
             b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
                             slots=load.total_slots if load is not None else None)
             b.stats.add(o, now)
+            self.key_usage.add(shape.principal, o, now)
             self.metrics.observe(b.id, shape.model, shape.klass, o.status, o.ttft, o.itl, o.e2e,
                                  o.prompt_tokens, o.completion_tokens, t_upstream - t_in, o.result)
         else:
@@ -248,7 +252,10 @@ class Gateway:
             # A model label only for a model the gateway serves: a client's free text never becomes a series.
             model = shape.model if shape is not None and self.pool.serves(shape.model) else ""
             self.metrics.refuse(status, model, klass)
-            self.tally.add(("rejected", klass), time.monotonic())
+            now = time.monotonic()
+            self.tally.add(("rejected", klass), now)
+            if st.principal is not None and self.hot.stats_enabled:
+                self.key_usage.refuse(st.principal.id, now)
         elif st.reason and shape is not None:
             kind = self.metrics.reason_kind(self.policy_name(shape.model), st.reason)
             self.tally.add(("reason", klass, kind), time.monotonic())

@@ -43,10 +43,11 @@ def sticky_choice(inp: RouteInput, p: Params) -> tuple[BackendView | None, str]:
     ratio = inp.affinity_tokens / max(shape.prompt_tokens, 1)
     if not session and ratio < p.cache_threshold:
         return None, f"match {ratio:.0%} < {p.cache_threshold:.0%}"
-    least = min(load_of(b) for b in inp.candidates)
+    lightest = min(inp.candidates, key=load_of)
+    least = load_of(lightest)
     mine = load_of(target)
     if overloaded(mine, least, p):
-        return None, f"{aff} overloaded {mine:g} vs {least:g}"
+        return None, f"{aff} overloaded {mine:g} vs {lightest.id}={least:g}"
     return target, ("session" if session else f"prefix {ratio:.0%}")
 
 

@@ -180,8 +180,9 @@ class Shape:
         self._routed(best[3].id, inp)
         if len(scored) == 1:
             return Decision((best[3],), f"shape:{klass} {name}={_fmt(best[1])}")
+        runner_up = scored[1]  # named: "vs 0.80s" alone would not say which backend lost
         return Decision(tuple(s[3] for s in scored),
-                        f"shape:{klass} {name}={_fmt(best[1])} vs {_fmt(scored[1][1])}")
+                        f"shape:{klass} {name}={_fmt(best[1])} vs {runner_up[3].id}={_fmt(runner_up[1])}")
 
     def _routed(self, backend: str, inp: RouteInput) -> None:
         shape = inp.shape

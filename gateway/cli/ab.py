@@ -15,15 +15,18 @@ import urllib.request
 from typing import Any
 
 KEY_ENV = "SHAPEGATE_ADMIN_KEY"
+URL_ENV = "SHAPEGATE_URL"  # the gateway every admin command (ab, keys) asks unless --url says otherwise
+DEFAULT_URL = "http://127.0.0.1:8080"
 HELP = "show a running gateway's A/B experiments and their verdicts; set, stop or start one"
 DESCRIPTION = ("Ask a running gateway (GET /admin/experiments, an admin key) for its A/B experiments and print, per "
                "experiment, its arms and every comparison between them with its verdicts (mean, p50, p99). "
                "`set NAME --weights a=1,b=3` changes an experiment's weights (a ramp), `stop NAME` stops it (its "
                "model routed as if there were none), `start NAME` starts it again and lifts the error guard's "
-               "stops; all three through PUT /admin/experiments/NAME, adopted by every worker and replica within a second. Exit 2 "
-               "when the gateway cannot be asked or refuses the key, 1 when it refuses the change.")
+               "stops; all three through PUT /admin/experiments/NAME, adopted by every worker and replica within "
+               "a second. Exit 2 when the gateway cannot be asked or refuses the key, 1 when it refuses the change.")
 FOOTNOTE = ("  ratio: the second arm's mean over the first's (p50, p99: its quantiles'), with its 95 % bootstrap CI; "
-            "noise: the A/A noise floor a difference must exceed; a difference under the {margin} margin is none")
+            "noise: the A/A noise floor a difference must exceed")
+MARGIN_NOTE = "; a difference under the {margin} margin is none"
 
 
 class Refused(Exception):
@@ -58,16 +61,18 @@ def _weights(text: str) -> dict[str, float]:
 
 
 def _connection(p: argparse.ArgumentParser, after: bool) -> None:
-    """--url, --key, --json and --timeout. An action's parser (`after`) takes them too, so that they may follow
+    """--url, --admin-key, --json and --timeout. An action's parser (`after`) takes them too, so that they may follow
     its name; unset there they keep what came before it (SUPPRESS: no default to overwrite that with)."""
     def default(value: Any) -> Any:
         return argparse.SUPPRESS if after else value
 
-    # Required, but checked in run(): argparse would not see it when it follows an action's name.
-    p.add_argument("--url", default=default(None), help="the gateway's base address, e.g. http://127.0.0.1:8080")
+    p.add_argument("--url", default=default(os.environ.get(URL_ENV) or DEFAULT_URL),
+                   help=f"the gateway's base address (default: the {URL_ENV} environment variable, else {DEFAULT_URL})")
     # A key on a command line is visible to every user of the machine (ps) and stays in shell history.
-    p.add_argument("--key", default=default(os.environ.get(KEY_ENV)),
+    p.add_argument("--admin-key", dest="key", default=default(os.environ.get(KEY_ENV)),
                    help=f"an admin API key (default: the {KEY_ENV} environment variable, which ps does not show)")
+    # --key: this command's former spelling, still taken (hidden); --admin-key is every admin command's.
+    p.add_argument("--key", dest="key", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", default=default(False), help="print the gateway's JSON as it came")
     p.add_argument("--timeout", type=_seconds, default=default(10.0),
                    help="seconds to wait for the gateway (default 10)")
@@ -251,7 +256,8 @@ def format_experiment(x: dict) -> list[str]:
         # The quantiles' verdicts under the mean's, on the same samples: no class and no n of their own.
         rows += [["", f"  {q['stat']}", "", *_figures(q)] for q in (c.get("quantiles") or {}).values()]
     lines += _table(["class", "metric", "n", "ratio [95% CI]", "noise", "verdict", "summary"], rows, {4})
-    lines.append(FOOTNOTE.format(margin=_pct(x.get("practical_margin"))))
+    margin = x.get("practical_margin")  # absent from a gateway older than the margin
+    lines.append(FOOTNOTE + (MARGIN_NOTE.format(margin=_pct(margin)) if margin is not None else ""))
     return lines
 
 
@@ -285,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.url:
             raise Refused("the gateway's address is needed: --url URL, e.g. --url http://127.0.0.1:8080")
         if not key:
-            raise Refused(f"an admin key is needed: --key KEY or the {KEY_ENV} environment variable")
+            raise Refused(f"an admin key is needed: --admin-key KEY or the {KEY_ENV} environment variable")
         out = _changed(args, key) if getattr(args, "action", None) else _shown(args, key)
     except Refused as e:
         # Whatever a server or a typo echoes back, the key itself is never printed.
@@ -318,8 +324,8 @@ def _changed(args: argparse.Namespace, key: str) -> str:
         what = {"enabled": args.action == "start"}
     done = change(args.url, key, args.timeout, args.name, what)
     if done.get("shared") is False:  # None: a single process, nobody to tell
-        print(f"shapegate: the change applies on the process that answered, but Redis did not take it: other "
-              f"replicas keep the old state until a change reaches it", file=sys.stderr)
+        print("shapegate: the change applies on the process that answered, but Redis did not take it: other "
+              "replicas keep the old state until a change reaches it", file=sys.stderr)
     return json.dumps(done, indent=2, ensure_ascii=False) if args.json else format_change(done)
 
 

@@ -1,4 +1,5 @@
-"""`shapegate check`: after the configuration validated, ask each backend once whether it answers and what it serves."""
+"""`shapegate check`: after the configuration validated, ask each backend once whether it answers and what it serves;
+exit 1 when one does not answer or does not list a configured model (unless --allow-missing)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,11 @@ import asyncio
 from dataclasses import dataclass, field
 
 import aiohttp
-import orjson
 
 from backends.openai_http import printable
 from gateway.config import BackendConfig, GatewayConfig
+from gateway.fleet.served import ANY_NAME, LOOKUP_ERRORS, fix, read_model_list
 from gateway.runtime import Gateway
-
-# Reading a model list or a context window is best effort: any of these means "could not tell".
-LOOKUP_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError)
 
 
 @dataclass
@@ -37,25 +35,6 @@ class BackendReport:
     models: list[ModelReport] = field(default_factory=list)
 
 
-def model_ids(body: bytes) -> tuple[str, ...]:
-    """The model ids of an OpenAI-style list (`{"data": [{"id": ...}]}`)."""
-    data = orjson.loads(body)["data"]
-    return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
-
-
-async def _listed(adapter, timeout: float) -> tuple[tuple[str, ...] | None, str]:
-    try:
-        status, body = await adapter._get("/v1/models", timeout)  # the adapter's probe GET: its key, its limits
-    except LOOKUP_ERRORS as e:
-        return None, type(e).__name__
-    if status != 200:
-        return None, f"HTTP {status}"
-    try:
-        return model_ids(body), ""
-    except LOOKUP_ERRORS:
-        return None, "not an OpenAI model list"
-
-
 async def check_backend(g: Gateway, bc: BackendConfig, timeout: float) -> BackendReport:
     """Probe the backend once the way serving does, then read what it lists and how long a request may be."""
     b = g.make_backend(bc)  # as serving makes it: same engine routes, key, limits and context windows
@@ -66,7 +45,7 @@ async def check_backend(g: Gateway, bc: BackendConfig, timeout: float) -> Backen
             why = f"no answer within {timeout:g} s" if probe.detail == "TimeoutError" else probe.detail
             return BackendReport(bc, False, why or "no answer")
         report = BackendReport(bc, True, probe.detail or f"HTTP {probe.status}", probe.status)
-        report.listed, report.list_error = await _listed(adapter, timeout)
+        report.listed, report.list_error = await read_model_list(adapter, timeout)
         if bc.engine == "llamacpp":
             try:
                 load = await adapter.sample_load(timeout)
@@ -110,30 +89,52 @@ def describe(r: BackendReport) -> list[str]:
         elif m.listed:
             found = "listed"
         else:
-            found = "NOT listed" + (" (llama.cpp answers to any name)" if bc.engine == "llamacpp" else "")
+            found = "NOT listed" + (" (llama.cpp answers to any name)" if bc.engine in ANY_NAME else "")
         window = f"{m.context} tokens ({m.context_from})" if m.context else "unknown"
         lines.append(f"  model {name}: {found}; context window: {window}")
+        if m.listed is False:
+            lines.append(f"    fix: {fix(bc.engine, m.public, m.native)}")
     return lines
+
+
+def missing(reports: list[BackendReport]) -> list[str]:
+    """Each configured model a backend's engine does not list, as backend/model."""
+    return [f"{r.cfg.id}/{m.public}" for r in reports for m in r.models if m.listed is False]
 
 
 def backends(n: int) -> str:
     return f"{n} backend" if n == 1 else f"{n} backends"
 
 
-def summary(reports: list[BackendReport]) -> str:
+def summary(reports: list[BackendReport], allow_missing: bool = False) -> str:
+    """The last line: never "all healthy" while a configured model is not listed where it is configured."""
+    n = len(reports)
     up = sum(r.reachable for r in reports)
     ready = sum(r.reachable and r.health == "ok" for r in reports)
-    if ready == len(reports):
-        return f"{backends(len(reports))} answered, all healthy"
-    return (f"{up} of {backends(len(reports))} answered, {ready} healthy; the configuration is valid, and serve "
-            f"keeps probing the others")
+    unlisted = missing(reports)
+    if ready == n:
+        line = f"{backends(n)} answered, " + ("all healthy" if not unlisted else f"{ready} healthy")
+    else:
+        line = (f"{up} of {backends(n)} answered, {ready} healthy; the configuration is valid, and serve keeps "
+                f"probing the others")
+    if unlisted:
+        line += f"; not listed by their engine: {', '.join(unlisted)}"
+    if failed(reports) and not allow_missing:
+        line += " (exit status 1; --allow-missing accepts this)"
+    return line
 
 
-def run(cfg: GatewayConfig, path: str, timeout: float) -> int:
-    """Print what each backend says; the configuration is valid by now, so the answer is 0 either way."""
+def failed(reports: list[BackendReport]) -> bool:
+    """Whether a backend did not answer, or one does not list a model it is configured with."""
+    return any(not r.reachable for r in reports) or bool(missing(reports))
+
+
+def run(cfg: GatewayConfig, path: str, timeout: float, allow_missing: bool = False) -> int:
+    """Print what each backend says: 1 when one does not answer or lacks a configured model (0 with
+    allow_missing, since the configuration itself is valid by now), else 0."""
     print(f"{path}: configuration valid ({backends(len(cfg.backends))}, routing policy {cfg.routing.policy})")
     reports = asyncio.run(check_all(cfg, timeout))
     for r in reports:
         print("\n".join(describe(r)))
-    print(summary(reports))
-    return 0
+    print(summary(reports, allow_missing))
+    return 1 if failed(reports) and not allow_missing else 0

@@ -48,7 +48,7 @@ def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int, ab:
 def banner(url: str, key: str, ab: bool = False) -> str:
     experiment = f"""
 A/B experiment vllm-vs-sglang on {MODEL}: each x-end-user header value sticks to one arm.
-  verdicts: shapegate ab --url {url} --key {key}   (also {url}/admin/experiments, {url}/dashboard)
+  verdicts: shapegate ab --url {url} --admin-key {key}   (also {url}/admin/experiments, {url}/dashboard)
 """ if ab else ""
     return f"""
 shapegate demo is running: {url}
@@ -73,8 +73,17 @@ Press Ctrl-C to stop.
 """
 
 
+class CannotListen(Exception):
+    """The gateway's address is taken or refused (`error`): nothing of the demo keeps running."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
                    stop: asyncio.Event | None = None, ab: bool = False) -> None:
+    """The portfolio and the gateway until `stop` (or SIGINT/SIGTERM); CannotListen when host:port is unusable."""
     sims = {}
     front = None
     stop = stop or asyncio.Event()
@@ -88,8 +97,11 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
         key = new_key()
         cfg = parse_config(demo_config({b: s.url for b, s in sims.items()}, hash_key(key), host, port, ab),
                            build_policy)
-        front = await serve(build_app(cfg), host, port)
-        print(banner(f"http://{host}:{port}", key, ab), flush=True)
+        try:
+            front = await serve(build_app(cfg), host, port)
+        except OSError as e:
+            raise CannotListen(e) from None
+        print(banner(f"http://{host}:{front.port}", key, ab), flush=True)  # --port 0: the one it got
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -100,10 +112,12 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
             await front.close(timeout=5.0)
         for s in sims.values():
             await s.close()
-        print("shapegate demo stopped.", file=sys.stderr)
+        if front is not None:  # (a demo that never started says only why)
+            print("shapegate demo stopped.", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the demo until Ctrl-C; CannotListen (the command says why, in one line) if its port is unusable."""
     import uvloop
 
     uvloop.run(run_demo(args.host, args.port, ab=args.ab))

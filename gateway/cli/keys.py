@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from gateway.cli.ab import KEY_ENV
+from gateway.cli.ab import DEFAULT_URL, KEY_ENV, URL_ENV
 
 NOT_SHOWN_AGAIN = "Give the key to its client: the gateway keeps only its sha256 and cannot show it again."
 
@@ -79,6 +79,12 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
         return json.loads(raw)
     except ValueError:
         raise Failed(f"{base}{path} did not answer JSON: is it a shapegate gateway?", 2) from None
+
+
+def config_block(key_id: str, digest: str, admin: bool) -> str:
+    """The [[auth.keys]] entry of a key, ready to paste into the configuration (its limits left commented)."""
+    return (f"[[auth.keys]]\nid = {json.dumps(key_id)}\nsha256 = \"{digest}\"\nadmin = {str(admin).lower()}\n"
+            "# limits = { rpm = 600, tpm = 200000 }   # its own limits; unset: the [limits] defaults; {} exempts it")
 
 
 def _when(t: float | None) -> str:
@@ -156,7 +162,9 @@ def _limits_json(text: str) -> dict:
 def add_parsers(actions: Any) -> None:
     """create, list and revoke under `shapegate keys`."""
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", required=True, help="the gateway's base address, e.g. http://127.0.0.1:8080")
+        p.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL,
+                       help=f"the gateway's base address (default: the {URL_ENV} environment variable, else "
+                            f"{DEFAULT_URL})")
         # A key on a command line is visible to every user of the machine (ps) and stays in shell history.
         p.add_argument("--admin-key", default=os.environ.get(KEY_ENV),
                        help=f"an admin API key (default: the {KEY_ENV} environment variable, which ps does not show)")

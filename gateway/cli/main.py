@@ -12,12 +12,20 @@ import resource
 import signal
 import socket
 import sys
+from typing import NoReturn
 
 from gateway.cli import ab as ab_report
 
 from gateway.cli import keys as keys_client
 from gateway.keys.principal import hash_key, new_key
 from gateway.config import ConfigError, GatewayConfig, load_config
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line on stderr (and exit 2), as every other refusal is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def fail(message: str) -> SystemExit:
@@ -140,9 +148,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
         return keys_client.run(args)
     if args.keys_cmd == "new":
         key = new_key()
-        print(f"key:    {key}\nsha256: {hash_key(key)}")
-        print("Put the sha256 line in [[auth.keys]]; give the key to the client. It is not stored anywhere.",
-              file=sys.stderr)
+        digest = hash_key(key)
+        # The block alone on stdout (`>> config.toml` appends it whole); the key on stderr, never into a file.
+        print(keys_client.config_block(args.id or f"key-{digest[:8]}", digest, args.admin))
+        print(f"key: {key}\nGive the key to its client: it is stored nowhere, the configuration holds only its "
+              "sha256.", file=sys.stderr)
         return 0
     key = args.key
     if key is None:
@@ -158,7 +168,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from gateway.cli import check
 
     cfg = read_config(args.config)
-    return check.run(cfg, args.config, args.timeout)
+    return check.run(cfg, args.config, args.timeout, args.allow_missing)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -166,6 +176,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     cfg = read_config(args.config)
     return probe.run(cfg, args.timeout or cfg.probe.timeout_s, args.json)
+
+
+def _port(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number, 0 to 65535 (0: any free one)")
+    return n
 
 
 def _seconds(text: str) -> float:
@@ -191,29 +208,35 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.cli import demo
 
-    return demo.run(args)
+    try:
+        return demo.run(args)
+    except demo.CannotListen as e:
+        raise fail(f"cannot listen on {args.host}:{args.port}: {os_reason(e.error)} (--port picks another)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shapegate", description="One OpenAI-compatible endpoint in front of vLLM, "
-                                "SGLang and llama.cpp engines, routing each request by its shape.")
+    p = Parser(prog="shapegate", description="One OpenAI-compatible endpoint in front of vLLM, "
+               "SGLang and llama.cpp engines, routing each request by its shape.")
     p.add_argument("--version", action="version", version=f"shapegate {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the gateway", description="Run the gateway from a TOML config file.")
     s.add_argument("--config", required=True, help="path to the TOML configuration (see config.example.toml)")
     s.add_argument("--host", default=None, help="listen address (default: [server] host)")
-    s.add_argument("--port", type=int, default=None, help="listen port (default: [server] port)")
+    s.add_argument("--port", type=_port, default=None, help="listen port (default: [server] port)")
     s.add_argument("--workers", type=_positive, default=1,
                    help="gateway processes sharing the port (SO_REUSEPORT); /metrics adds up all of them")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("check", help="validate a config file and ask each backend once what it serves",
                        description="Validate the configuration as serve does (exit 2 if invalid), then probe "
-                                   "each backend once: health, listed models, context window. Backends that "
-                                   "do not answer are reported but leave the exit status at 0.")
+                                   "each backend once: health, listed models, context window. Exit 1 when a "
+                                   "backend does not answer or its engine does not list a model it is "
+                                   "configured with (--allow-missing: 0, the problems still reported).")
     c.add_argument("--config", required=True, help="path to the TOML configuration")
     c.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per engine request (default 10)")
+    c.add_argument("--allow-missing", action="store_true",
+                   help="exit 0 even when a backend does not answer or does not list a configured model")
     c.set_defaults(func=cmd_check)
 
     pr = sub.add_parser("probe", help="ask each backend's engine which OpenAI features it supports per model",
@@ -233,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     ks = k.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
     kh = ks.add_parser("hash", help="print the sha256 digest of a key (argument, stdin, or prompt)")
     kh.add_argument("key", nargs="?", help="the key (omit to read it from stdin or a prompt)")
-    ks.add_parser("new", help="generate a new random key and print it with its digest")
+    kn = ks.add_parser("new", help="generate a new random key; print its [[auth.keys]] block (the key: stderr)",
+                       description="Make a random API key. Its [[auth.keys]] block, ready to paste into the "
+                                   "configuration, goes to stdout; the key itself to stderr, shown once.")
+    kn.add_argument("--id", help="the key's id in the block (default: key- and the start of its digest)")
+    kn.add_argument("--admin", action="store_true", help="admin = true in the block")
     keys_client.add_parsers(ks)
     k.set_defaults(func=cmd_keys)
 
@@ -245,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.set_defaults(func=cmd_sim)
     d = sub.add_parser("demo", help="start a simulated portfolio and the gateway in front of it",
                        description="Start three simulated engines and the gateway; Ctrl-C stops all.")
-    d.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    d.add_argument("--port", type=_port, default=8080, help="gateway port (default 8080; 0: any free one)")
     d.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     d.add_argument("--ab", action="store_true", help="also run an A/B experiment: vLLM against SGLang")
     d.set_defaults(func=cmd_demo)

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.dashboard.history import FeedHistory
 from gateway.dashboard.session import (
     Binding,
     bound_secret,
@@ -65,6 +66,8 @@ class DashboardSettings:
     binding: Binding | None  # None: any token signed with `secret` holds until it expires
     peer_header: str | None  # where the host's front puts the client's address; None: the socket's peer
     throttle: SignInThrottle
+    history: FeedHistory | None  # the charts' recent past (sampled by the host on a timer); None: none kept
+    keys_provider: StatsProvider | None  # the keys view's report; None: no keys view
 
 
 DASHBOARD = web.AppKey("shapegate_dashboard", DashboardSettings)
@@ -83,8 +86,10 @@ def setup_dashboard(
     session_binding: Binding | None = None,
     peer_header: str | None = None,
     throttle: SignInThrottle | None = None,
+    history: FeedHistory | None = None,
+    keys_provider: StatsProvider | None = None,
 ) -> None:
-    """Register /dashboard, /dashboard/{login,logout,feed} and /dashboard/static/{file}.
+    """Register /dashboard, /dashboard/{login,logout,feed,history,keys} and /dashboard/static/{file}.
 
     An admin is a request whose `Authorization: Bearer` or `x-api-key` key maps to a principal
     through `admin_for_key`, or one carrying a valid `shapegate_dash` session cookie. Anyone else
@@ -100,6 +105,8 @@ def setup_dashboard(
     `wrap` is applied to every handler (the host application's request id and error handling).
     Failed sign-ins are throttled per client address (`peer_header`, set by the host's front, or the socket's
     peer): 429 with Retry-After once an address has used up its attempts (throttle.py).
+    /dashboard/history serves `history` (the host samples the feed into it on a timer, never per request), so
+    that the charts start filled; /dashboard/keys serves `keys_provider`'s report. Both as admin-only as the feed.
     """
     check_secret(session_secret)
     if session_ttl_s <= 0:
@@ -115,11 +122,15 @@ def setup_dashboard(
         binding=session_binding,
         peer_header=peer_header,
         throttle=throttle or SignInThrottle(),
+        history=history,
+        keys_provider=keys_provider,
     )
     app.router.add_get("/dashboard", wrap(_page))
     app.router.add_post("/dashboard/login", wrap(_login))
     app.router.add_post("/dashboard/logout", wrap(_logout))
     app.router.add_get("/dashboard/feed", wrap(_feed))
+    app.router.add_get("/dashboard/history", wrap(_history))
+    app.router.add_get("/dashboard/keys", wrap(_keys))
     app.router.add_get("/dashboard/static/{file}", wrap(_static))
 
 
@@ -141,7 +152,8 @@ def _load_assets(folder: Path) -> Mapping[str, tuple[bytes, str]]:
         for path in folder.iterdir()
         if path.is_file() and path.suffix in _CONTENT_TYPES
     }
-    for needed in ("index.html", "login.html", "dashboard.js", "experiments.js", "dashboard.css"):
+    for needed in ("index.html", "login.html", "charts.js", "dashboard.js", "experiments.js", "keys.js",
+                   "dashboard.css"):
         if needed not in assets:
             raise RuntimeError(f"dashboard asset missing: {needed}")
     return MappingProxyType(assets)
@@ -268,22 +280,39 @@ async def _logout(request: web.Request) -> web.Response:
     return response
 
 
-async def _feed(request: web.Request) -> web.Response:
+async def _provided(request: web.Request, provider: StatsProvider | None, what: str) -> web.Response:
+    """An admin's JSON from `provider` (sync or async); 404 when the host gave none, 503 when it fails."""
     settings = request.app[DASHBOARD]
     if not _principal(request, settings):
         return _unauthorized()
+    if provider is None:
+        return _error(404, "Not served by this gateway.", "invalid_request_error", "not_found")
     try:
-        stats = settings.stats_provider()
-        if inspect.isawaitable(stats):
-            stats = await stats
-        body = orjson.dumps(stats)
+        data = provider()
+        if inspect.isawaitable(data):
+            data = await data
+        body = orjson.dumps(data)
     except Exception:
-        # The page shows the feed as stale; the traceback goes to the log, not to the browser.
-        log.exception("dashboard stats provider failed")
-        return _error(503, "Stats are unavailable right now.", "server_error", "stats_unavailable")
+        # The page shows the feed as stale (or its charts' past, or keys, missing); the traceback goes to the
+        # log, not to the browser.
+        log.exception("dashboard: %s unavailable", what)
+        return _error(503, f"{what.capitalize()} unavailable right now.", "server_error", "stats_unavailable")
     return web.Response(
         body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
     )
+
+
+async def _feed(request: web.Request) -> web.Response:
+    return await _provided(request, request.app[DASHBOARD].stats_provider, "stats are")
+
+
+async def _history(request: web.Request) -> web.Response:
+    history = request.app[DASHBOARD].history
+    return await _provided(request, None if history is None else history.report, "the charts' history is")
+
+
+async def _keys(request: web.Request) -> web.Response:
+    return await _provided(request, request.app[DASHBOARD].keys_provider, "the keys view is")
 
 
 async def _static(request: web.Request) -> web.Response:

@@ -114,7 +114,7 @@ class Experiment:
         # Split arms only: a shadow arm serves no client, so its errors cost nobody a reply.
         self.guard = ErrorGuard(cfg.error_guard_margin, cfg.error_guard_min_requests) if cfg.mode == "split" \
             else None
-        self.version = 0  # bumped by each run-time change; replicas take the highest (gateway/experiment_sync.py)
+        self.version = 0  # bumped by each run-time change; replicas take the highest (share.py)
         self.changed_at = time.time()
         self._arm_of = {b: a.name for a in self.arms for b in a.backends}
         self._by_name = {a.name: a for a in self.arms}
@@ -384,6 +384,8 @@ def _renewed(old: Experiment, cfg: ExperimentConfig) -> Experiment:
     x.classes, x.started, x.shadow_counts, x.agreement = old.classes, old.started, old.shadow_counts, old.agreement
     x.shadow_in_flight = old.shadow_in_flight
     x.version = old.version + 1
+    if x.guard is not None:
+        x.guard.lift(x._counts())  # its windows start now, not at the samples' start
     return x
 
 

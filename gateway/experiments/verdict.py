@@ -174,18 +174,18 @@ def _seed(klass: str, metric: str, a: str, b: str, stat: str) -> int:
     return zlib.crc32("\0".join((klass, metric, a, b) if stat == "mean" else (klass, metric, a, b, stat)).encode())
 
 
-def _needed(n: int, gap: float, lo: float, hi: float, noise: float, matters: float) -> int | None:
+def _needed(n: int, gap: float, inner: float, noise: float, matters: float) -> int | None:
     """More samples per arm until the point estimate, if it held, would reach a verdict.
 
     Asked only of a gap beyond the practical margin (a smaller one is no_difference already), which stays what
-    it is as samples come: a difference then needs the whole CI beyond the margin and the gap beyond the noise
-    floor. The CI's half-width and the floor shrink as 1/sqrt(n), the margin does not. In logs, where swapping
-    the arms only flips signs; with s the shrink factor that asks, n / s**2 samples in all.
+    it is as samples come: a difference then needs the CI's end nearest to 1 beyond the margin and the gap
+    beyond the noise floor. That end's distance from the point (`inner`) and the floor shrink as 1/sqrt(n), the
+    margin does not. In logs, where swapping the arms only flips signs; with s the shrink factor that asks,
+    n / s**2 samples in all.
     """
-    half = (math.log(hi) - math.log(lo)) / 2 if lo > 0 else 0.0
-    if half <= 0 or gap <= matters:
+    if inner <= 0 or gap <= matters:
         return None
-    shrink = min((gap - matters) / half, gap / noise if noise > 0 else math.inf)
+    shrink = min((gap - matters) / inner, gap / noise if noise > 0 else math.inf)
     if not 0 < shrink < 1:
         return None
     return max(1, math.ceil(n * (1 / shrink ** 2 - 1)))
@@ -203,6 +203,54 @@ def min_samples_of(stat: str, min_samples: int) -> int:
     """Samples an arm needs before a verdict on `stat`: `min_samples`, and TAIL_POINTS beyond a quantile."""
     q = QUANTILES.get(stat)
     return min_samples if q is None else max(min_samples, math.ceil(TAIL_POINTS / min(q, 1 - q) - 1e-9))
+
+
+def _estimate(xa: np.ndarray, xb: np.ndarray, q: float | None, rate: bool, resamples: int, aa_repeats: int,
+              rng: np.random.Generator) -> tuple[float | None, float | None, float | None, float | None]:
+    """(ratio, CI low, CI high, noise floor in logs) of b's statistic over a's (the mean, or the q-quantile of
+    samples sorted already); None for what cannot be had (an arm empty or at 0, a resample at 0)."""
+    if not len(xa) or not len(xb):
+        return None, None, None, None
+    floor = _floor(len(xa), len(xb)) if rate else 0.0
+    if q is None:
+        sa, sb = float(_centre(xa.sum(), len(xa), floor)), float(_centre(xb.sum(), len(xb), floor))
+    else:
+        sa, sb = float(np.quantile(xa, q)), float(np.quantile(xb, q))
+    if not (sa > 0 and sb >= 0):
+        return None, None, None, None
+    if q is None:
+        boot_a, boot_b = _bootstrap(xa, resamples, rng, floor), _bootstrap(xb, resamples, rng, floor)
+        of_rows = _mean_rows(rate)
+    else:
+        boot_a, boot_b = _bootstrap_quantile(xa, q, resamples, rng), _bootstrap_quantile(xb, q, resamples, rng)
+        of_rows = _quantile_rows(q)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lo, hi = (float(v) for v in np.percentile(boot_b / boot_a, [2.5, 97.5]))
+    aa = np.concatenate([_aa(xa, aa_repeats, rng, of_rows), _aa(xb, aa_repeats, rng, of_rows)])
+    noise = float(np.quantile(aa, 0.95, method="higher")) if len(aa) else None
+    # A resample whose denominator is 0 makes its ratio inf or NaN; such an interval says nothing.
+    lo_, hi_, noise_ = (v if v is not None and math.isfinite(v) else None for v in (lo, hi, noise))
+    return sb / sa, lo_, hi_, noise_
+
+
+def _decide(metric: str, ratio: float, lo: float, hi: float, noise: float, margin: float, n: int) \
+        -> tuple[str, int | None]:
+    """The verdict and, when undecided, the samples still needed per arm (compare() says the rules)."""
+    gap = abs(math.log(ratio)) if ratio > 0 else math.inf
+    matters = math.log1p(margin)  # log(1 + m)
+    band = max(noise, matters)
+    # How far the CI's end nearest to 1 lies from it (0 when the CI holds 1).
+    near = math.log(lo) if lo > 1 else (-math.log(hi) if hi > 0 else math.inf) if hi < 1 else 0.0
+    if near > matters and gap > noise:
+        return ("b_better" if (ratio < 1) == (metric in LOWER_IS_BETTER) else "a_better"), None
+    if gap <= matters or (lo > 0 and -band <= math.log(lo) and math.log(hi) <= band):
+        return "no_difference", None
+    # The CI's half on the side of 1, from the point to its end (a bootstrap CI need not be symmetric).
+    if ratio > 1:
+        inner = math.log(ratio / lo) if lo > 0 else math.inf
+    else:
+        inner = math.log(hi / ratio) if ratio > 0 else 0.0
+    return "insufficient_data", _needed(n, gap, inner, noise, matters)
 
 
 def compare(klass: str, metric: str, a: str, a_samples: Iterable[float], b: str, b_samples: Iterable[float], *,
@@ -235,55 +283,18 @@ def compare(klass: str, metric: str, a: str, a_samples: Iterable[float], b: str,
         raise ValueError("margin must be within [0, 1)")
     xa, xb = _clean(a_samples), _clean(b_samples)
     na, nb = len(xa), len(xb)
-    rate = metric == "error_rate"
     q = QUANTILES.get(stat)
+    if q is not None:
+        xa, xb = np.sort(xa), np.sort(xb)
     rng = np.random.default_rng(_seed(klass, metric, a, b, stat) if seed is None else seed)
-
-    ratio = lo = hi = noise = None
-    sa = sb = None
-    if na and nb:
-        floor = _floor(na, nb) if rate else 0.0
-        if q is None:
-            sa, sb = float(_centre(xa.sum(), na, floor)), float(_centre(xb.sum(), nb, floor))
-        else:
-            xa, xb = np.sort(xa), np.sort(xb)
-            sa, sb = float(np.quantile(xa, q)), float(np.quantile(xb, q))
-        if sa > 0 and sb >= 0:
-            ratio = sb / sa
-            if q is None:
-                boot_a, boot_b = _bootstrap(xa, resamples, rng, floor), _bootstrap(xb, resamples, rng, floor)
-                of_rows = _mean_rows(rate)
-            else:
-                boot_a = _bootstrap_quantile(xa, q, resamples, rng)
-                boot_b = _bootstrap_quantile(xb, q, resamples, rng)
-                of_rows = _quantile_rows(q)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                lo, hi = (float(v) for v in np.percentile(boot_b / boot_a, [2.5, 97.5]))
-            aa = np.concatenate([_aa(xa, aa_repeats, rng, of_rows), _aa(xb, aa_repeats, rng, of_rows)])
-            if len(aa):
-                noise = float(np.quantile(aa, 0.95, method="higher"))  # in logs until reported
-    # A resample whose denominator is 0 makes its ratio inf or NaN; such an interval says nothing.
-    lo, hi, noise = (v if v is not None and math.isfinite(v) else None for v in (lo, hi, noise))
-
-    needed = None
+    ratio, lo, hi, noise = _estimate(xa, xb, q, metric == "error_rate", resamples, aa_repeats, rng)
     need = min_samples_of(stat, min_samples)
     if min(na, nb) < need:
         verdict, needed = "insufficient_data", need - min(na, nb)
     elif ratio is None or lo is None or hi is None or noise is None:
-        verdict = "insufficient_data"
+        verdict, needed = "insufficient_data", None
     else:
-        gap = abs(math.log(ratio)) if ratio > 0 else math.inf
-        matters = math.log1p(margin)  # log(1 + m)
-        band = max(noise, matters)
-        # How far the CI's end nearest to 1 lies from it (0 when the CI holds 1).
-        near = math.log(lo) if lo > 1 else (-math.log(hi) if hi > 0 else math.inf) if hi < 1 else 0.0
-        if near > matters and gap > noise:
-            verdict = "b_better" if (ratio < 1) == (metric in LOWER_IS_BETTER) else "a_better"
-        elif gap <= matters or (lo > 0 and -band <= math.log(lo) and math.log(hi) <= band):
-            verdict = "no_difference"
-        else:
-            verdict = "insufficient_data"
-            needed = _needed(min(na, nb), gap, lo, hi, noise, matters)
+        verdict, needed = _decide(metric, ratio, lo, hi, noise, margin, min(na, nb))
 
     return {
         "class": klass, "metric": metric, "stat": stat, "arms": [a, b],
@@ -291,8 +302,8 @@ def compare(klass: str, metric: str, a: str, a_samples: Iterable[float], b: str,
         # The observed means, without the error-rate floor: an arm without errors reads 0.
         "mean": {a: _fig(xa.mean()) if na else None, b: _fig(xb.mean()) if nb else None},
         # The compared statistic of each arm, as observed (a quantile's own value, else the mean again).
-        "value": {a: _fig(sa if q is not None else xa.mean()) if na else None,
-                  b: _fig(sb if q is not None else xb.mean()) if nb else None},
+        "value": {a: _fig(np.quantile(xa, q) if q is not None else xa.mean()) if na else None,
+                  b: _fig(np.quantile(xb, q) if q is not None else xb.mean()) if nb else None},
         "ratio": _fig(ratio), "ci_low": _fig(lo), "ci_high": _fig(hi),
         "noise_floor": _fig(math.expm1(noise)) if noise is not None else None,
         "margin": margin,

@@ -10,6 +10,7 @@ from typing import Callable, Final
 
 import aiohttp
 
+from backends.openai_http import printable
 from gateway.config import HealthConfig
 from gateway.contracts import DRAINING, READY, STARTING, UNHEALTHY, ProbeResult
 from gateway.fleet.probe import start_verifying, stop_verifying
@@ -21,6 +22,9 @@ OPEN: Final = "open"
 HALF_OPEN: Final = "half_open"
 # How often the supervisors look for backends added or removed by a reload.
 SUPERVISE_S: Final = 0.25
+# What a not-ready log line quotes of a health answer that carries no error message.
+EXCERPT_BYTES: Final = 1024
+EXCERPT_CHARS: Final = 160
 
 
 class Breaker:
@@ -134,7 +138,7 @@ class HealthState:
     Every method takes `now` so that tests drive it with a fake clock.
     """
 
-    __slots__ = ("state", "ok_streak", "fail_streak", "detail", "changed_at")
+    __slots__ = ("state", "ok_streak", "fail_streak", "detail", "changed_at", "reported")
 
     def __init__(self, now: float | None = None) -> None:
         self.state = STARTING
@@ -142,6 +146,7 @@ class HealthState:
         self.fail_streak = 0
         self.detail = "not probed yet"
         self.changed_at = time.monotonic() if now is None else now
+        self.reported = ""  # the kind of cause last logged for a start that overran its grace ("": none)
 
     def _set(self, state: str, now: float) -> str | None:
         if state == self.state:
@@ -231,12 +236,20 @@ async def watch(pool, b, health_cfg: Callable[[], HealthConfig], on_change=None)
 
 async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None) -> None:
     if b.health.promotes(r, cfg):
-        # Before taking traffic: how long a request it holds (a restart may have changed it), and a warm-up,
-        # since an engine's first requests are slow and should not be a client's.
+        # Before taking traffic: the models it lists (each configured one it does not is logged with the fix), how
+        # long a request it holds (a restart may have changed either), and a warm-up, since an engine's first
+        # requests are slow and should not be a client's.
+        await b.learn_models(cfg.timeout_s)
         await b.discover_windows(cfg.timeout_s)
         if cfg.warmup:
             await b.warm_up(cfg.warmup_timeout_s)
-    new = b.health.on_probe(r, cfg, time.monotonic())
+    elif r.ok and not r.liveness_only and b.health.state == READY and (b.list_due or b.lacks):
+        # After a reload, and while the engine refused a model by name: its list again (a change routes it back).
+        await b.learn_models(cfg.timeout_s)
+    now = time.monotonic()
+    new = b.health.on_probe(r, cfg, now)
+    if b.health.state == STARTING and now - b.health.changed_at >= cfg.startup_grace_s:
+        await report_not_ready(b, r, cfg, now)
     if new is None:
         return
     log.info("backend %s is now %s (%s)", b.id, new, r.detail)
@@ -245,6 +258,41 @@ async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None
         start_verifying(b)  # [probe] at_start: which of its models it really serves, off every request's path
     if on_change is not None:
         on_change(b, new)
+
+
+def not_ready_reason(r: ProbeResult, timeout: float) -> tuple[str, str]:
+    """Why a probe found a backend not ready: a kind that changes only when the cause does, and the words."""
+    if r.refused:
+        refused = "[Errno 111]" in r.detail or "refused" in r.detail.lower()
+        return "connect", f"{'connection refused' if refused else 'cannot connect'} ({r.detail})"
+    if r.status == 0:
+        if r.detail == "TimeoutError":
+            return "timeout", f"no answer within {timeout:g} s (timeout)"
+        return r.detail, r.detail or "no answer"
+    return f"HTTP {r.status}", r.detail if r.detail.startswith("HTTP ") else f"HTTP {r.status}: {r.detail}"
+
+
+async def report_not_ready(b, r: ProbeResult, cfg: HealthConfig, now: float) -> None:
+    """A backend still not ready after [health] startup_grace_s: say why, once per cause (not every probe)."""
+    kind, why = not_ready_reason(r, cfg.timeout_s)
+    if kind == b.health.reported:
+        return
+    b.health.reported = kind
+    if r.status and why == f"HTTP {r.status}":  # no message in the answer: quote the start of what it said
+        why = await health_excerpt(b, cfg.timeout_s) or why
+    log.warning("backend %s (%s at %s) is not ready %.1f s after it was added: %s", b.id, b.engine, b.cfg.url,
+                now - b.health.changed_at, why)
+
+
+async def health_excerpt(b, timeout: float) -> str:
+    """The health route's status and the start of its body, read once more for the log line (empty on failure)."""
+    try:
+        status, body = await b.adapter._get(b.adapter.health_path, timeout)
+    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        log.debug("health route of %s unread: %r", b.id, e)
+        return ""
+    text = printable(" ".join(body[:EXCERPT_BYTES].decode("utf-8", "replace").split()), EXCERPT_CHARS)
+    return f"HTTP {status}: {text}" if text else f"HTTP {status} (empty body)"
 
 
 async def load_loop(pool, health_cfg: Callable[[], HealthConfig]) -> None:

@@ -75,6 +75,12 @@ class BackendState:
         self.breaker.threshold, self.breaker.open_s = gcfg.health.breaker_failures, gcfg.health.breaker_open_s
         self._load_stale_s = gcfg.health.load_stale_s
         self.latency.refit_s = gcfg.stats.refit_interval_s
+        keep = self.cfg.engine_private_fields
+        if keep is None:
+            keep = gcfg.server.engine_private_fields
+        # The engine's own reply fields the relay drops ('"timings"' for llama.cpp; none for most engines).
+        self.private_fields: tuple[bytes, ...] = () if keep else tuple(
+            f'"{name}"'.encode() for name in getattr(self.adapter, "private_fields", ()))
 
     def take_load(self, sample: LoadSample) -> None:
         """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,
@@ -141,8 +147,8 @@ class BackendState:
         if known is not None:
             return known[2]
         native = self.models.get(public, public)
-        why = (f"the engine does not serve {served.model_named(public, native)} ({detail}; it lists: "
-               f"{served.names(self.listed)}): {served.fix(self.engine, public, native)}")
+        why = (f"the engine does not serve {served.model_named(public, native)} ({served.excerpt(detail)}), "
+               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native)}")
         self.lacks[public] = (native, self.listed, why)
         self.unsupported.setdefault(public, why)  # a support probe's verdict already there stays
         log.warning("backend %s (%s at %s) refused model %s, not routed there until its model list changes: %s",

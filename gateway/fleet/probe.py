@@ -81,6 +81,7 @@ async def verify(b, timeout: float, require: tuple[str, ...]) -> None:
             failed = next((f"probe: {name}: {cell.describe()}" for name, cell in cells.items()
                            if cell.verdict != YES), None)
             if failed is None:
+                b.lacks.pop(public, None)  # it served the model just now: whatever its list said
                 if b.unsupported.pop(public, None) is not None:
                     log.info("backend %s serves %s again", b.id, printable(public))
             elif b.unsupported.get(public) != failed:

@@ -44,6 +44,11 @@ async def read_model_list(adapter: Any, timeout: float) -> tuple[tuple[str, ...]
         return None, "not an OpenAI model list"
 
 
+def excerpt(text: str, limit: int = 200) -> str:
+    """Engine text fit for one log line: whitespace runs made one space, control characters replaced, capped."""
+    return printable(" ".join(text.split()), limit)
+
+
 def names(listed: tuple[str, ...] | None) -> str:
     """An engine's list fit for a log line (names it chose: made printable, the first few only)."""
     if listed is None:

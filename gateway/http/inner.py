@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Callable
+from typing import Callable, Collection
 
 from aiohttp import web
 
@@ -28,6 +28,17 @@ REPLY_SKIP = frozenset({"connection", "keep-alive", "transfer-encoding", "conten
 INNER_CONNECTIONS = 8  # these routes are light; more requests wait for a free connection
 INNER_TIMEOUT_S = 60.0  # a reload or a stats page; none of them stream
 INNER_REPLY_LIMIT = 64 * 1024 * 1024
+
+
+def unknown_path(path: str, known: Collection[str]) -> str:
+    """The message of a 404: the path that was asked for, and the known path it most likely meant (a client whose
+    base URL lacks /v1, or has it twice, or a trailing slash), else where the API is."""
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    bare = path.rstrip("/") or "/"
+    for guess in (bare, "/v1" + bare, bare.removeprefix("/v1")):
+        if guess != path and guess in known:
+            return f"Unknown path {shown}; did you mean {guess}?"
+    return f"Unknown path {shown}; the API is under /v1 (e.g. /v1/chat/completions, /v1/models)."
 
 
 class InnerRoutes:

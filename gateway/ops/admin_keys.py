@@ -128,15 +128,20 @@ def _listed(rec: KeyRecord, last_used: float | None) -> dict:
             "created": rec.created, "last_used": last_used, "source": "runtime"}
 
 
-async def list_keys(request: web.Request) -> web.Response:
+async def key_listing(g: Gateway) -> list[dict]:
     """Every key's id, admin flag, limits, when it was made and last used; never a key or a digest."""
-    g: Gateway = request.app[GATEWAY]
-    g.auth.require_admin(request.headers)
     used = {k: round(t, 3) for k, t in (await g.keys.last_used()).items()}
     data = [{"id": k.id, "admin": k.admin, "limits": k.limits.model_dump() if k.limits else None,
              "created": None, "last_used": used.get(k.id), "source": "config"} for k in g.cfg.auth.keys]
     data += [_listed(r, used.get(r.id)) for r in sorted(g.keys.records.values(), key=lambda r: (r.created, r.id))]
-    return _json({"object": "list", "data": data, "store": g.keys.kind})
+    return data
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    """GET /admin/keys: key_listing, for an admin key."""
+    g: Gateway = request.app[GATEWAY]
+    g.auth.require_admin(request.headers)
+    return _json({"object": "list", "data": await key_listing(g), "store": g.keys.kind})
 
 
 async def revoke_key(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway.keys.auth import Authenticator
-from gateway.config import BackendConfig, ConfigError, GatewayConfig, load_config
+from gateway.config import BackendConfig, ConfigError, GatewayConfig, RoutingConfig, load_config
 from gateway.errors import GatewayError
 from gateway.experiments.experiment import Experiments
 from gateway.runtime import GATEWAY, build_policy, build_routing
@@ -61,6 +61,67 @@ def plan(old: GatewayConfig, new: GatewayConfig) -> ReloadPlan:
         if (a != b) if key is None else (getattr(a, key) != getattr(b, key)):
             p.restart_needed.append(section if key is None else f"{section}.{key}")
     return p
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _by_name(verbs: tuple[tuple[str, list[str]], ...]) -> str:
+    """"added a and b, removed c" for the verbs that have names."""
+    return ", ".join(f"{verb} {_and(names)}" for verb, names in verbs if names)
+
+
+def _compared(old: dict, new: dict) -> tuple[list[str], list[str], list[str]]:
+    """The names only in new, only in old, and in both but different."""
+    return ([n for n in new if n not in old], [n for n in old if n not in new],
+            [n for n in new if n in old and old[n] != new[n]])
+
+
+def _routing_words(old: RoutingConfig, new: RoutingConfig) -> list[str]:
+    words = []
+    if old.policy != new.policy:
+        words.append(f"policy {old.policy} -> {new.policy}")
+    elif old.params != new.params:
+        words.append(f"policy {new.policy}'s params changed")
+    for model in dict.fromkeys((*old.models, *new.models)):
+        a, b = old.models.get(model), new.models.get(model)
+        was, now = (a.policy if a else None) or "default", (b.policy if b else None) or "default"
+        if was != now:
+            words.append(f"model {model} policy {was} -> {now}")
+        elif a != b:
+            words.append(f"model {model} routing params changed")
+    if (old.max_attempts, old.retry_deadline_s) != (new.max_attempts, new.retry_deadline_s):
+        words.append("failover settings changed")
+    return words
+
+
+def in_words(old: GatewayConfig, new: GatewayConfig, p: ReloadPlan) -> str:
+    """What a reload changed, for its log line: "backends added a, removed b; policy shape -> least_loaded;
+    2 keys added" (ReloadPlan.summary() is the same for the admin route, as data)."""
+    parts = []
+    backends = _by_name((("added", [b.id for b in p.added]), ("removed", p.removed),
+                         ("replaced", [b.id for b in p.replaced]), ("updated", [b.id for b in p.updated])))
+    if backends:
+        parts.append(f"backends {backends}")
+    parts += _routing_words(old.routing, new.routing)
+    # The configured keys counted, not named (as /admin/keys would): "2 keys added, 1 removed".
+    keys = [(verb, len(ids)) for verb, ids in zip(("added", "removed", "changed"), _compared(
+        {k.id: k for k in old.auth.keys}, {k.id: k for k in new.auth.keys})) if ids]
+    if keys:
+        (verb, n), rest = keys[0], keys[1:]
+        parts.append(", ".join([f"{n} key{'' if n == 1 else 's'} {verb}", *(f"{m} {v}" for v, m in rest)]))
+    experiments = _by_name(tuple(zip(("added", "removed", "changed"), _compared(
+        {x.name: x for x in old.experiments}, {x.name: x for x in new.experiments}))))
+    if experiments:
+        parts.append(f"experiments {experiments}")
+    others = [name for name in GatewayConfig.model_fields if name not in ("backends", "routing", "experiments", "auth")
+              and getattr(old, name) != getattr(new, name)]
+    if old.auth.model_copy(update={"keys": ()}) != new.auth.model_copy(update={"keys": ()}):
+        others.insert(0, "auth")
+    if others:
+        parts.append("also " + ", ".join(f"[{name}]" for name in others))
+    return "; ".join(parts) or "no changes"
 
 
 def held_at_run_time(g, new: GatewayConfig) -> None:
@@ -120,6 +181,7 @@ class Reloader:
         if self.path is None:
             raise ConfigError("the gateway was started without a configuration file")
         # A few kilobytes from local disk, read on an operator's action: not worth a thread.
+        old = self.g.cfg
         try:
             new = load_config(self.path, build_policy)
             p = apply(self.g, new)
@@ -129,7 +191,7 @@ class Reloader:
             raise
         self.g.metrics.reload("ok")
         s = p.summary()
-        log.info("configuration reloaded from %s: %s", self.path, s)
+        log.info("configuration reloaded from %s: %s", self.path, in_words(old, new, p))
         if p.restart_needed:
             log.warning("changed settings that take effect only after a restart: %s", ", ".join(p.restart_needed))
         return s

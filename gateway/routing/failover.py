@@ -12,6 +12,7 @@ import aiohttp
 from gateway.config import HealthConfig
 from gateway.contracts import UpstreamConnectError, UpstreamError
 from gateway.errors import MAX_RETRY_AFTER_S, GatewayError, retry_after_header, upstream_failed, upstream_timeout
+from gateway.fleet.served import fix, refuses_model
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import BackendState
@@ -104,11 +105,12 @@ def charge_send_error(b: BackendState, e: BaseException, started: float, health:
 
 
 def charge_engine_error(b: BackendState, err: GatewayError, headers: Mapping[str, str],
-                        health: HealthConfig) -> Retryable | None:
-    """An engine's HTTP error: the Retryable to move on with, or None when it is the request's own fault."""
+                        health: HealthConfig, model: str) -> Retryable | None:
+    """An engine's HTTP error for a request for `model`: the Retryable to move on with, or None when it is the
+    request's own fault."""
     charge = charge_status(err.status)
     if charge == "client":
-        return None
+        return model_refused(b, err, model)
     if charge == "hold":
         hold = retry_after_s(headers, health.overload_hold_s)
         b.breaker.on_failure(time.monotonic(), hold_s=hold)
@@ -116,6 +118,20 @@ def charge_engine_error(b: BackendState, err: GatewayError, headers: Mapping[str
     elif charge == "failure":
         b.breaker.on_failure(time.monotonic())
     return Retryable(err, suspect=charge == "suspect")
+
+
+def model_refused(b: BackendState, err: GatewayError, model: str) -> Retryable | None:
+    """An engine refusing the name the gateway sent for `model` (its model_not_found, in each engine's words) is
+    the backend's misconfiguration, never the client's fault: the next candidate takes the request, and the model
+    is routed there no more until the engine's model list changes (no breaker verdict: the engine is sound).
+    None for any other refusal. The Retryable's error is what the client gets if no backend serves the model."""
+    native = b.models.get(model)
+    if native is None or not refuses_model(err.status, err.code, err.message, native):
+        return None
+    b.refused_model(model, f"HTTP {err.status}: {err.message}")
+    return Retryable(GatewayError(
+        404, f"The model `{model}` is configured on backend {b.id}, but its engine does not serve it (a gateway "
+        f"misconfiguration: {fix(b.engine, model, native)}).", param="model", code="model_not_found"))
 
 
 def charge_status(status: int) -> str:

@@ -115,6 +115,93 @@ class ModelRewrite:
         return data
 
 
+_SCALAR_END: Final = frozenset(b",}] \t\n\r")  # what ends a number, true, false or null
+
+
+def _value_end(data: bytes, j: int) -> int:
+    """Past the JSON value that starts at data[j] (an object, array, string or scalar), or -1 if it does not end."""
+    n = len(data)
+    if j >= n:
+        return -1
+    c = data[j]
+    if c == 34:  # '"'
+        return _string_end(data, j)
+    if c != 123 and c != 91:  # neither '{' nor '[': a number, true, false or null
+        k = j
+        while k < n and data[k] not in _SCALAR_END:
+            k += 1
+        return k
+    close = data.find(b"}" if c == 123 else b"]", j)
+    if close > 0 and data.find(b"{", j + 1, close) < 0 and data.find(b"[", j + 1, close) < 0 \
+            and data.find(b'"', j, close) < 0:
+        return close + 1  # flat and without strings (llama.cpp's timings: numbers only): no walk needed
+    depth, k = 0, j
+    while k < n:
+        c = data[k]
+        if c == 34:
+            k = _string_end(data, k)
+            if k < 0:
+                return -1
+            continue
+        if c == 123 or c == 91:
+            depth += 1
+        elif c == 125 or c == 93:
+            depth -= 1
+            if depth == 0:
+                return k + 1
+        k += 1
+    return -1
+
+
+def drop_member(data: bytes, key: bytes) -> bytes:
+    """data without each object member whose quoted key is `key` (e.g. b'"timings"'), its comma included; the
+    JSON of a reply or of a block of SSE events. A member that does not end in data is left as it is."""
+    out: list[bytes] = []
+    start = 0
+    i = data.find(key)
+    while i >= 0:
+        before = i - 1
+        while before >= 0 and data[before] in _SPACE:
+            before -= 1
+        colon = _skip_space(data, i + len(key))
+        # A key follows '{' or ',' and is followed by ':' (the same quoted text elsewhere is a value).
+        if before >= 0 and (data[before] == 123 or data[before] == 44) and colon < len(data) and data[colon] == 58:
+            end = _value_end(data, _skip_space(data, colon + 1))
+            if end > 0:
+                if data[before] == 44:  # a member after another: its comma goes with it
+                    out.append(data[start:before])
+                    start = end
+                else:  # the first member: the comma after it goes, if another member follows
+                    after = _skip_space(data, end)
+                    out.append(data[start:i])
+                    start = after + 1 if after < len(data) and data[after] == 44 else end
+                i = data.find(key, start)
+                continue
+        i = data.find(key, i + 1)
+    if not out:
+        return data
+    out.append(data[start:])
+    return b"".join(out)
+
+
+class DroppingModelRewrite(ModelRewrite):
+    """ModelRewrite for an engine with fields of its own in its replies (llama.cpp's `timings`): those are
+    dropped too. Chosen per request, so that every other engine's blocks cost what they did."""
+
+    __slots__ = ("drop",)
+
+    def __init__(self, public: str, drop: tuple[bytes, ...]) -> None:
+        super().__init__(public)
+        self.drop = drop
+
+    def __call__(self, data: bytes) -> bytes:
+        data = super().__call__(data)
+        for key in self.drop:
+            if data.find(key) >= 0:  # (a token's block: one search, nothing copied)
+                data = drop_member(data, key)
+        return data
+
+
 class StreamMeter:
     """What the gateway measured on one stream: first/last token times, token events, usage, the ending."""
 

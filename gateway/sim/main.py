@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import socket
 import sys
 
 import uvloop
@@ -14,16 +16,21 @@ from gateway.sim.options import SimOptions
 from gateway.sim.profiles import ENGINES, load_profiles
 from gateway.sim.runner import start_sim
 
-# Each engine's usual port, used when --port is not given (0 picks a free one).
-DEFAULT_PORTS = {"vllm": 8000, "sglang": 30000, "llamacpp": 8080}
+
+def _port(text: str) -> int:
+    n = int(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number, 0 to 65535 (0: any free one)")
+    return n
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the simulator's flags to a (sub)parser."""
     parser.add_argument("--engine", required=True, choices=ENGINES, help="engine flavour to simulate")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=None,
-                        help="listen port (default: the engine's usual port; 0 picks a free one)")
+    # Not the engine's usual port: llama-server's 8080 is the gateway's too, and a second sim would clash.
+    parser.add_argument("--port", type=_port, default=0,
+                        help="listen port (default: a free one, printed with the URL at start)")
     parser.add_argument("--model", default="sim-model", help="served model name")
     parser.add_argument("--served-model-name", dest="aliases", nargs="+", default=[],
                         metavar="NAME", help="more names the engine answers to")
@@ -62,10 +69,9 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
             error_after_chunks=args.fault_error_after, unhealthy=args.fault_unhealthy)
     except ValueError as exc:
         raise ValueError(f"invalid fault flags: {exc}") from exc
-    port = DEFAULT_PORTS[args.engine] if args.port is None else args.port
     opts = SimOptions(
         engine=args.engine, model=args.model, profile=args.profile, slots=args.slots,
-        seed=args.seed, host=args.host, port=port, warmup_s=args.warmup, faults=faults,
+        seed=args.seed, host=args.host, port=args.port, warmup_s=args.warmup, faults=faults,
         served_model_names=tuple(args.aliases), max_model_len=args.max_model_len,
         report_cached_tokens=args.report_cached_tokens)
     opts.resolve_profile()
@@ -104,9 +110,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         uvloop.run(_serve(opts))
     except OSError as exc:
-        print(f"shapegate sim: cannot listen on {opts.host}:{opts.port}: {exc}", file=sys.stderr)
-        return 1
+        print(f"shapegate sim: cannot listen on {opts.host}:{opts.port}: {_os_reason(exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _os_reason(e: OSError) -> str:
+    """The system's short reason ("Address already in use"), not asyncio's sentence around it."""
+    if e.errno and not isinstance(e, socket.gaierror):
+        return os.strerror(e.errno)
+    return e.strerror or str(e)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,8 @@ def take_summary(g, now_m: float | None = None, now_wall: float | None = None) -
             reasons.setdefault(key[1], {})[key[2]] = n
     sh = g.sharing
     return {"v": VERSION, "worker": sh.worker, "replica": sh.replica, "taken_at": now_wall, "window_s": window,
-            "enabled": g.cfg.stats.enabled, "backends": backends, "rejected": rejected, "reasons": reasons}
+            "enabled": g.cfg.stats.enabled, "backends": backends, "rejected": rejected, "reasons": reasons,
+            "keys": g.key_usage.summary(now_m, window)}  # per key id (gateway/stats/key_usage.py)
 
 
 # -- merging ------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""`shapegate ab` as a process against a real gateway: the experiments table, --json, and one-line refusals."""
+"""`shapegate ab` as a process against a real gateway: the experiments table, --json, one-line refusals, and
+set / stop / start."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import AsyncIterator
 
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from benchmarks.loopback import free_port
+from gateway.sim.runner import SimOptions, start_sim
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
 from tests.procs import shapegate
@@ -112,3 +115,70 @@ async def test_refusals_are_one_line_exit_2_and_never_show_the_key(gw) -> None:
             2, "", f"shapegate: no answer from {url} within 0.5 s\n")
     status, out, err = await ab("--url", gw.url, env={"SHAPEGATE_ADMIN_KEY": ""})
     assert (status, out) == (2, "") and err.startswith("shapegate: an admin key is needed")
+
+
+@pytest.fixture
+async def sim_gw() -> AsyncIterator[RunningGateway]:
+    """A gateway in front of two simulated engines, one per arm."""
+    sims = [await start_sim(SimOptions(engine="vllm", model="m", seed=i)) for i in range(2)]
+    backends = [{"id": f"e{i}", "engine": "vllm", "url": e.url, "models": ["m"]} for i, e in enumerate(sims)]
+    gateway = await start_gateway(gateway_config(backends) | {"experiments": [
+        {"name": "ab", "model": "m", "mode": "split", "subject": "user",
+         "arms": [{"name": "a", "backends": ["e0"]}, {"name": "b", "backends": ["e1"]}]}]})
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
+        for s in sims:
+            await s.close()
+
+
+async def arms_serving(gw: RunningGateway) -> set[str]:
+    """The arms 20 subjects are served by ("" when the experiment is stopped: replies name no arm)."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {USER_KEY}"}) as s:
+        arms = set()
+        for i in range(20):
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": f"u{i}"}
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                arms.add(r.headers.get("x-shapegate-arm", ""))
+        return arms
+
+
+async def test_set_stop_and_start_change_a_running_gateway(sim_gw) -> None:
+    gw, key = sim_gw, ("--key", ADMIN_KEY)
+    status, out, err = await ab("set", "ab", "--weights", "a=0,b=1", "--url", gw.url, *key)
+    assert (status, err) == (0, "")
+    assert re.fullmatch(r"experiment ab: running; weights a 0 \(0%\), b 1 \(100%\) \(version \d+\)\n", out), out
+    assert await arms_serving(gw) == {"b"}
+    (x,) = (await admin_report(gw))["data"]
+    assert [(a["weight"], a["share"]) for a in x["arms"]] == [(0.0, 0.0), (1.0, 1.0)]
+
+    # The connection options may come before the action as well as after it.
+    status, out, err = await ab("--url", gw.url, *key, "stop", "ab")
+    assert (status, err) == (0, "") and out.startswith("experiment ab: stopped (its model routed as if")
+    assert await arms_serving(gw) == {""}
+    status, out, err = await ab("start", "ab", "--url", gw.url, "--json", *key)
+    assert (status, err) == (0, "")
+    assert {k: v for k, v in json.loads(out).items() if k in ("name", "enabled", "weights")} == {
+        "name": "ab", "enabled": True, "weights": {"a": 0.0, "b": 1.0}}
+    assert await arms_serving(gw) == {"b"}
+    status, out, err = await ab("set", "ab", "--weights", "a=1,b=3", "--url", gw.url, *key)
+    assert status == 0 and "weights a 1 (25%), b 3 (75%)" in out
+    assert await arms_serving(gw) == {"a", "b"}
+
+    # The gateway's refusal, in its own words: exit 1, nothing changed.
+    status, out, err = await ab("set", "ab", "--weights", "zz=1", "--url", gw.url, *key)
+    assert (status, out) == (1, "")
+    assert err == f"shapegate: {gw.url} made no change (HTTP 400): No change made: unknown arm 'zz'; arms: a, b.\n"
+    status, out, err = await ab("stop", "nope", "--url", gw.url, *key)
+    assert (status, out) == (1, "")
+    assert err == f"shapegate: {gw.url} made no change (HTTP 404): No experiment named 'nope'.\n"
+    status, out, err = await ab("set", "ab", "--url", gw.url, *key)
+    assert (status, out) == (2, "") and err.startswith("shapegate: nothing to set")
+    status, out, err = await ab("stop", "ab", "--url", gw.url, "--key", USER_KEY)
+    assert (status, out) == (2, "") and "refused the key (HTTP 403)" in err
+    status, out, err = await ab("set", "ab", "--weights", "a=x", "--url", gw.url, *key)
+    assert status == 2 and "expected ARM=WEIGHT pairs" in err
+    (x,) = (await admin_report(gw))["data"]
+    assert x["enabled"] and [a["weight"] for a in x["arms"]] == [1.0, 3.0]

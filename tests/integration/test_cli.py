@@ -1,16 +1,26 @@
-"""The `shapegate` command as a process: --version, `check` against live and dead engines, one-line start-up errors."""
+"""The `shapegate` command as a process: --version, `check` against live and dead engines, one-line errors of every
+command (and of deploy/run_local.py), `keys new`, and the admin commands' address and key from the environment."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
 import shutil
 import socket
+import sys
+import tomllib
+
+import pytest
 
 from backends.vllm import VLLMBackend
+from gateway.config import parse_config
+from gateway.keys.principal import hash_key
+from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
-from benchmarks.loopback import free_port
+from benchmarks.loopback import ROOT, free_port
 from tests.fake_engine import FakeEngine, Knobs
+from tests.gateway_harness import ADMIN_KEY, gateway_config, start_gateway
 from tests.procs import shapegate, write_config
 
 OPEN = {"auth": {"enabled": False}}
@@ -21,7 +31,7 @@ async def test_version_is_the_installed_distributions():
     assert (status, out, err) == (0, f"shapegate {importlib.metadata.version('shapegate')}\n", "")
 
 
-async def test_check_reports_each_backend_and_exits_0_with_some_down(tmp_path):
+async def test_check_reports_each_backend_and_exits_1_with_some_down_or_lacking_0_when_allowed(tmp_path):
     fake = await FakeEngine().start()
     loading = await FakeEngine(Knobs(health_status=503)).start()
     vllm = await start_sim(SimOptions(engine="vllm", max_model_len=6000))
@@ -35,7 +45,8 @@ async def test_check_reports_each_backend_and_exits_0_with_some_down(tmp_path):
         {"id": "down", "engine": "sglang", "url": f"http://127.0.0.1:{dead}", "models": ["m"]},
     ]})
     try:
-        status, out, err = await shapegate("check", "--config", str(path), "--timeout", "5")
+        status, out, err = await shapegate("check", "--config", str(path), "--timeout", "5", "--allow-missing")
+        strict = await shapegate("check", "--config", str(path), "--timeout", "5")
     finally:
         await fake.stop()
         await loading.stop()
@@ -59,15 +70,47 @@ async def test_check_reports_each_backend_and_exits_0_with_some_down(tmp_path):
         f"  engine lists: {vllm.model}",
         f"  model pub (engine name {vllm.model}): listed; context window: {engine_window}",
         f"  model ghost: NOT listed; context window: {engine_window}",
+        "    fix: start the engine with --served-model-name ghost, or map it in [[backends]] models",
         f"backend sim-l: engine llamacpp, url {llama.url}",
         "  reachable; health: ok",
         f"  engine lists: {llama.model}",
         "  slots: 2",
         "  model any: NOT listed (llama.cpp answers to any name); context window: 3000 tokens (max_context)",
+        "    fix: start the engine with --alias any, or map it in [[backends]] models",
         f"backend down: engine sglang, url http://127.0.0.1:{dead}",
         f"  unreachable: connect failed: [Errno 111] Connect call failed ('127.0.0.1', {dead})",
     ]
     assert lines[-1].startswith("4 of 5 backends answered, 3 healthy; the configuration is valid")
+    assert lines[-1].endswith("; not listed by their engine: sim-v/ghost, sim-l/any")
+    # Without --allow-missing: the same report, and exit status 1 (a backend down, models not listed).
+    assert strict[0] == 1 and "Traceback" not in strict[2], strict[2]
+    assert strict[1].splitlines()[:-1] == lines[:-1]
+    assert strict[1].splitlines()[-1] == lines[-1] + " (exit status 1; --allow-missing accepts this)"
+
+
+async def test_check_exits_1_when_every_engine_lacks_the_model_and_never_says_all_healthy(tmp_path):
+    """Engines started without the configured model's name: both answer and are healthy, neither serves it."""
+    engines = [await start_sim(SimOptions(engine="vllm")), await start_sim(SimOptions(engine="sglang"))]
+    path = write_config(tmp_path, {**OPEN, "backends": [
+        {"id": "a", "engine": "vllm", "url": engines[0].url, "models": ["qwen3-30b"]},
+        {"id": "b", "engine": "sglang", "url": engines[1].url, "models": ["qwen3-30b"]},
+    ]})
+    try:
+        status, out, err = await shapegate("check", "--config", str(path), "--timeout", "5")
+        allowed = await shapegate("check", "--config", str(path), "--timeout", "5", "--allow-missing")
+    finally:
+        for e in engines:
+            await e.close()
+    assert status == 1 and "Traceback" not in err, err
+    lines = out.splitlines()
+    assert sum(line.startswith("  model qwen3-30b: NOT listed; context window:") for line in lines) == 2
+    fix = "    fix: start the engine with --served-model-name qwen3-30b, or map it in [[backends]] models"
+    assert lines.count(fix) == 2
+    assert lines[-1] == ("2 backends answered, 2 healthy; not listed by their engine: a/qwen3-30b, b/qwen3-30b "
+                         "(exit status 1; --allow-missing accepts this)")
+    assert "all healthy" not in out
+    assert allowed[0] == 0 and allowed[1].splitlines()[:-1] == lines[:-1]
+    assert allowed[1].splitlines()[-1] == lines[-1].removesuffix(" (exit status 1; --allow-missing accepts this)")
 
 
 async def test_check_of_a_healthy_portfolio(tmp_path):
@@ -142,3 +185,121 @@ async def test_a_start_up_setting_error_is_one_line(tmp_path):
     assert (status, out) == (2, "")
     assert err == ("shapegate: environment variable SHAPEGATE_TEST_SECRET must hold a dashboard secret of at "
                    "least 16 characters\n")
+
+
+# -- every command's refusals: one line on stderr, exit status 2 ------------------------------------------------
+
+NO_YAML = ("import runpy, sys; sys.modules['yaml'] = None; sys.argv[0] = 'run_local'; "
+           "runpy.run_module('deploy.run_local', run_name='__main__')")
+DEAD = "http://127.0.0.1:{dead}"
+# command -> (arguments after `python`, environment, the one line it prints); {taken}: a port in use, {dead}: one
+# nobody listens on.
+REFUSALS = {
+    "serve, a usage error": (
+        ("-m", "gateway.cli", "serve", "--config", "x.toml", "--nope"), {},
+        "shapegate: unrecognized arguments: --nope (see `shapegate --help`)"),
+    "demo, its port taken": (
+        ("-m", "gateway.cli", "demo", "--port", "{taken}"), {},
+        "shapegate: cannot listen on 127.0.0.1:{taken}: Address already in use (--port picks another)"),
+    "demo, no such port": (
+        ("-m", "gateway.cli", "demo", "--port", "70000"), {},
+        "shapegate demo: argument --port: must be a port number, 0 to 65535 (0: any free one) "
+        "(see `shapegate demo --help`)"),
+    "sim, its port taken": (
+        ("-m", "gateway.cli", "sim", "--engine", "llamacpp", "--port", "{taken}"), {},
+        "shapegate sim: cannot listen on 127.0.0.1:{taken}: Address already in use"),
+    "sim, no engine": (
+        ("-m", "gateway.cli", "sim"), {},
+        "shapegate sim: the following arguments are required: --engine (see `shapegate sim --help`)"),
+    "run_local, without PyYAML": (
+        ("-c", NO_YAML), {},
+        "run_local: PyYAML is needed to read deploy/compose.yaml: pip install -e '.[deploy]'"),
+    "run_local, no compose file": (
+        ("-m", "deploy.run_local", "--compose", "/nonexistent/compose.yaml"), {},
+        "run_local: cannot read /nonexistent/compose.yaml: No such file or directory"),
+    "keys, no admin key": (
+        ("-m", "gateway.cli", "keys", "list"), {},
+        "shapegate: no admin key: set SHAPEGATE_ADMIN_KEY (or pass --admin-key)"),
+    "keys, no gateway at SHAPEGATE_URL": (
+        ("-m", "gateway.cli", "keys", "revoke", "team-b"), {"SHAPEGATE_URL": DEAD, "SHAPEGATE_ADMIN_KEY": "k"},
+        f"shapegate: cannot reach {DEAD}: Connection refused"),
+    "keys hash, no key": (
+        ("-m", "gateway.cli", "keys", "hash"), {},
+        "shapegate: empty key"),
+    "ab, no admin key": (
+        ("-m", "gateway.cli", "ab"), {},
+        "shapegate: an admin key is needed: --admin-key KEY or the SHAPEGATE_ADMIN_KEY environment variable"),
+    "ab, no gateway at SHAPEGATE_URL": (
+        ("-m", "gateway.cli", "ab", "--admin-key", "k"), {"SHAPEGATE_URL": DEAD},
+        f"shapegate: cannot connect to {DEAD}: Connection refused"),
+    "probe, no configuration": (
+        ("-m", "gateway.cli", "probe", "--config", "/nonexistent/gw.toml"), {},
+        "shapegate: configuration file not found: /nonexistent/gw.toml"),
+}
+
+
+@pytest.fixture(scope="module")
+def taken_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+async def test_every_command_refuses_in_one_line_with_status_2(case, taken_port):
+    argv, env, line = REFUSALS[case]
+    ports = {"taken": taken_port, "dead": free_port()}
+    env = {k: v.format(**ports) for k, v in env.items()}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *(a.format(**ports) for a in argv), cwd=ROOT, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if k not in ("SHAPEGATE_URL", "SHAPEGATE_ADMIN_KEY")},
+             "PYTHONPATH": str(ROOT), **env})
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert (proc.returncode, out.decode(), err.decode()) == (2, "", line.format(**ports) + "\n")
+
+
+# -- keys new, and the admin commands' address and key from the environment -------------------------------------
+
+
+async def test_keys_new_prints_a_paste_ready_block_and_the_key_apart(tmp_path):
+    status, out, err = await shapegate("keys", "new", "--id", "team-a")
+    assert status == 0
+    key = err.splitlines()[0].removeprefix("key: ")
+    assert err.splitlines()[1].startswith("Give the key to its client")
+    assert key not in out and key.startswith("sg-")
+    assert out.splitlines()[0] == "[[auth.keys]]" and out.splitlines()[-1].startswith("# limits = {")
+    assert tomllib.loads(out) == {"auth": {"keys": [{"id": "team-a", "sha256": hash_key(key), "admin": False}]}}
+    # Pasted as it is (limits uncommented too), the configuration takes it.
+    block = out.replace("# limits", "limits", 1).split("   #")[0] + "\n"
+    config = write_config(tmp_path, {"backends": [{"id": "a", "engine": "vllm", "url": "http://127.0.0.1:1",
+                                                   "models": ["m"]}]}).read_text() + block
+    cfg = parse_config(tomllib.loads(config), build_policy)
+    assert [(k.id, k.sha256, k.admin, k.limits.rpm) for k in cfg.auth.keys] == [("team-a", hash_key(key), False, 600)]
+    status, out, _ = await shapegate("keys", "new", "--admin")
+    assert status == 0 and tomllib.loads(out)["auth"]["keys"][0]["admin"] is True
+
+
+async def test_admin_commands_take_the_gateway_and_key_from_the_environment():
+    engine = await FakeEngine().start()
+    gw = await start_gateway(gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m"]}]))
+    env = {"SHAPEGATE_URL": gw.url, "SHAPEGATE_ADMIN_KEY": ADMIN_KEY}
+    try:
+        status, out, err = await shapegate("keys", "list", env=env)
+        assert (status, err.splitlines()[-1]) == (0, "run-time keys kept in: memory"), err
+        assert out.splitlines()[0].split()[:2] == ["id", "source"]
+        assert await shapegate("ab", env=env) == (0, f"no experiments on {gw.url}\n", "")
+        # --url and --admin-key win over the environment; `ab --key`, the old spelling, is still taken.
+        dead = {"SHAPEGATE_URL": f"http://127.0.0.1:{free_port()}", "SHAPEGATE_ADMIN_KEY": "wrong"}
+        assert await shapegate("ab", "--url", gw.url, "--admin-key", ADMIN_KEY, env=dead) == (
+            0, f"no experiments on {gw.url}\n", "")
+        assert (await shapegate("ab", "--url", gw.url, "--key", ADMIN_KEY, env=dead))[0] == 0
+        assert (await shapegate("keys", "list", "--url", gw.url, "--admin-key", ADMIN_KEY, env=dead))[0] == 0
+    finally:
+        await gw.stop()
+        await engine.stop()
+    # One flag name in the help of every admin command; the old one hidden.
+    for command in (("ab",), ("keys", "list"), ("keys", "create"), ("keys", "revoke")):
+        _, text, _ = await shapegate(*command, "--help")
+        assert "--admin-key" in text and "--key " not in text and "SHAPEGATE_URL" in text, command

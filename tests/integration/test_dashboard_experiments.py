@@ -103,6 +103,12 @@ async def test_the_section_shows_each_experiment_its_arms_and_verdicts(engines) 
     for c in report["ab"]["comparisons"]:
         shown = dom[f"verdict:ab:{c['class']}:{c['metric']}:b"]
         assert (shown["text"], shown["value"]) == (c["summary"], c["verdict"])
+        # The median's and the tail's verdicts under the mean's.
+        for stat, q in c["quantiles"].items():
+            shown = dom[f"verdict:ab:{c['class']}:{c['metric']}:b:{stat}"]
+            assert (shown["text"], shown["value"]) == (q["summary"], q["verdict"])
+    assert set(report["ab"]["comparisons"][0]["quantiles"]) == {"p50", "p99"}
+    assert "differences under 5% are none" in split
     assert dom["verdict:ab:all:itl:b"]["value"] == "a_better"
     assert dom["verdict:ab:all:itl:b"]["text"].startswith("arm a: ITL ")
     rank = {"a_better": 0, "b_better": 0, "no_difference": 1, "insufficient_data": 2}
@@ -129,3 +135,28 @@ async def test_the_section_is_hidden_without_experiments(engines) -> None:
     assert errors == []
     assert dom["experiments"]["hidden"] is True
     assert dom["experiments-body"]["text"] == ""
+
+
+async def test_an_arm_the_error_guard_stopped_says_so(engines) -> None:
+    engines[1].knobs.fail_status = 500  # arm b's engine fails every request (its clients go on to arm a)
+    cfg = experiments_config(engines)
+    cfg["experiments"][0]["error_guard_min_requests"] = 20
+    cfg["health"]["breaker_failures"] = 1_000_000  # the guard, not the breaker, takes the arm out
+    gw = await start_gateway(cfg)
+    try:
+        await traffic(gw)
+        (b,) = [a for a in (await admin_report(gw))["ab"]["arms"] if a["name"] == "b"]
+        async with open_page(width=1440, height=1000) as page:
+            await page.authenticate(gw.url + "/dashboard", FormLogin(ADMIN_KEY))
+            await page.wait_for(f"!!{REPORT_SEEN}")
+            dom = await page.read()
+            errors = list(page.errors)
+    finally:
+        await gw.stop()
+    assert errors == []
+    assert b["guard"]["error_rate"] == 1.0 and b["share"] == 0
+    assert dom["arm-guard:ab:b"]["text"] == "stopped" and "arm-guard:ab:a" not in dom
+    assert float(dom["arm-share:ab:b"]["value"]) == 0
+    line = dom["guard:ab:b"]["text"]
+    assert line.startswith("arm b stopped by the error guard since ") and b["guard"]["reason"] in line
+    assert line.endswith("shapegate ab start ab resumes it")

@@ -56,7 +56,7 @@ async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
         text = out.getvalue()
         key = re.search(r"API key : (\S+)", text).group(1)
         url = f"http://127.0.0.1:{port}"
-        assert f"shapegate ab --url {url} --key {key}" in text
+        assert f"shapegate ab --url {url} --admin-key {key}" in text
         arms = {}
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=3) as c:
             for i in range(60):
@@ -73,7 +73,7 @@ async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
                 arms[f"user-{i}"] = raw.headers["x-shapegate-arm"]
         assert set(arms.values()) == {"vllm", "sglang"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.cli", "ab", "--url", url, "--key", key,
+            sys.executable, "-m", "gateway.cli", "ab", "--url", url, "--admin-key", key,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
         table = stdout.decode()

@@ -374,3 +374,22 @@ async def test_sighup_to_run_local_reloads_every_gateway_from_the_edited_config(
         st.proc.send_signal(signal.SIGHUP)
         await until(lambda: "reload of gateway-2 refused" in st.output(), "the broken file refused")
         assert [await reason(url) for url in gateways] == ["round_robin", "round_robin"]
+
+
+async def test_a_compose_file_run_local_cannot_run_is_one_line_and_status_2(tmp_path):
+    """Before anything starts: a file that is not YAML, a service with no local equivalent (its ports taken and a
+    missing PyYAML, the same: tests/integration/test_cli.py)."""
+    if importlib.util.find_spec("yaml") is None:
+        skip_or_fail("PyYAML is not installed (pip install -e '.[deploy]'): deploy/run_local.py needs it")
+    broken, foreign = tmp_path / "broken.yaml", tmp_path / "foreign.yaml"
+    broken.write_text("services: [\n")
+    foreign.write_text("services:\n  db:\n    image: postgres:16\n")
+    cases = {broken: f"run_local: {broken}: not valid YAML: ",
+             foreign: "run_local: db: image 'postgres:16' has no local equivalent\n"}
+    for compose, line in cases.items():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "deploy.run_local", "--compose", str(compose), cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert (proc.returncode, out) == (2, b"") and err.decode().startswith(line), err
+        assert err.count(b"\n") == 1 and b"Traceback" not in err

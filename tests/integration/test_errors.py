@@ -74,6 +74,28 @@ async def test_404_unknown_route_is_openai_shaped(gateway):
             assert_openai_shape(await r.json())
 
 
+async def test_404_names_the_path_it_likely_meant(gateway):
+    """A base URL without /v1 (or with it twice, or a trailing slash): the 404 says where the API is."""
+    cases = {
+        ("POST", "/chat/completions"): "Unknown path /chat/completions; did you mean /v1/chat/completions?",
+        ("GET", "/models"): "Unknown path /models; did you mean /v1/models?",
+        ("POST", "/v1/v1/completions"): "Unknown path /v1/v1/completions; did you mean /v1/completions?",
+        ("POST", "/v1/chat/completions/"): "Unknown path /v1/chat/completions/; did you mean /v1/chat/completions?",
+        ("GET", "/nowhere"): "Unknown path /nowhere; the API is under /v1 (e.g. /v1/chat/completions, /v1/models).",
+    }
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {USER_KEY}"}) as s:
+        for (method, path), message in cases.items():
+            async with s.request(method, gateway.url + path, json={"model": "m1", "messages": MSG}) as r:
+                assert r.status == 404, path
+                err = assert_openai_shape(await r.json())
+                assert (err["message"], err["type"], err["code"]) == (message, "invalid_request_error", "not_found")
+    # What an OpenAI SDK shows when its base_url lacks /v1.
+    async with openai.AsyncOpenAI(base_url=gateway.url, api_key=USER_KEY, max_retries=0) as c:
+        with pytest.raises(openai.NotFoundError) as ei:
+            await c.chat.completions.create(model="m1", messages=MSG)
+    assert "did you mean /v1/chat/completions?" in str(ei.value)
+
+
 async def test_413_body_over_limit_refused_without_reading_it(engines):
     gw = await start_gateway(gateway_config([{"id": "a", "engine": "vllm", "url": engines[0].url,
                                               "models": ["m"]}], server={"max_body_bytes": 1024 * 1024}))

@@ -32,8 +32,10 @@ def test_flags_become_options():
         0.25, 503, 3, 5, True)
 
 
-def test_default_port_is_the_engines_own():
-    assert options_from_args(parse("--engine", "sglang")).port == 30000
+def test_default_port_is_a_free_one():
+    # Not the engine's usual port: llama-server's 8080 is the gateway's (the process prints the one it got).
+    for engine in ("vllm", "sglang", "llamacpp"):
+        assert options_from_args(parse("--engine", engine)).port == 0
     assert options_from_args(parse("--engine", "vllm")).profile is None
 
 
@@ -51,7 +53,7 @@ def test_bad_combinations_exit_2(argv, capsys):
 async def test_module_entry_point_serves_and_stops_on_sigterm():
     start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.sim", "--engine", "sglang", "--port", "0",
+        sys.executable, "-m", "gateway.sim", "--engine", "sglang",  # no --port: a free one, printed
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -343,3 +344,50 @@ def test_demo_key_digests_are_sha256_of_the_documented_keys():
     text = (DEPLOY / "config" / "gateway.toml").read_text()
     for key in DEMO_KEYS.values():
         assert key in text and hashlib.sha256(key.encode()).hexdigest() in text
+
+
+# -- one image, a persistent Redis, the license ---------------------------------------------------------------
+
+
+def test_one_image_name_in_the_dockerfile_compose_and_kubernetes():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    image = f"shapegate:{version}"
+    names = {c["image"] for _, d in manifests() if d["kind"] == "Deployment"
+             for c in d["spec"]["template"]["spec"]["containers"] if c["image"].startswith("shapegate")}
+    compose = load_compose(COMPOSE, env={})
+    names |= {s["image"] for s in compose["services"].values() if "build" in s}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    names |= set(re.findall(r"\b(shapegate:[\w.-]+)", "\n".join(
+        line for line in dockerfile.splitlines() if line.startswith("#"))))
+    assert names == {image}
+    assert f"docker build -t {image} ." in dockerfile
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume():
+    """The run-time API keys live in Redis: compose and Kubernetes both persist it (AOF on a volume)."""
+    redis = load_compose(COMPOSE, env={})["services"]["redis"]
+    args = redis["command"]
+    assert option(args, "--appendonly") == "yes"
+    (volume,) = redis["volumes"]
+    name, target = volume.split(":")
+    assert target == "/data" and name in load_compose(COMPOSE, env={})["volumes"]
+    assert "run-time api keys" in COMPOSE.read_text().lower()
+    pod = find("Deployment", "redis")["spec"]["template"]["spec"]
+    c = container(pod, "redis")
+    assert option(c["args"], "--appendonly") == "yes"
+    (mount,) = c["volumeMounts"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert mount["mountPath"] == "/data" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert find("Deployment", "redis")["spec"]["strategy"]["type"] == "Recreate"  # one pod holds the volume
+    assert "run-time API keys" in (K8S / "redis.yaml").read_text()
+
+
+def test_the_license_is_the_one_pyproject_names_and_the_image_ships_it():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] in ("Apache-2.0", {"text": "Apache-2.0"})  # an SPDX expression, or PEP 621's table
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "COPY pyproject.toml README.md LICENSE ./" in (ROOT / "Dockerfile").read_text()
+    # run_local's one need beyond the gateway's, as an extra of its own.
+    assert any(r.startswith("pyyaml") for r in project["optional-dependencies"]["deploy"])

@@ -155,6 +155,19 @@ def test_shape_reason_compares_best_with_runner_up():
     assert d.reason.startswith("shape:long_output e2e=") and " vs " in d.reason
 
 
+def test_reasons_name_the_runner_up_and_keep_their_first_word():
+    # The first word is the `reason` label of shapegate_routing_decisions_total: it stays as it was.
+    d = rank(make("shape"), req(LONG_OUTPUT, 110, 1000), view("a", LLAMA, 0, slots(0)), view("b", SGLANG))
+    assert ids(d) == ["a", "b"]
+    head, _, rest = d.reason.partition(" ")
+    assert head == "shape:long_output" and rest.startswith("e2e=") and " vs b=" in rest, d.reason
+    d = rank(make("shape"), req(LONG_PROMPT, 4000, 10), view("slow", SGLANG), view("fast", VLLM))
+    assert d.reason.startswith("shape:long_prompt ttft=") and " vs slow=" in d.reason, d.reason
+    p = prefix_affinity.PrefixAffinity(prefix_affinity.Params())
+    d = rank(p, req(DEFAULT, 1000), view("a", VLLM, 80), view("b", VLLM, 10), affinity="a", cached=900)
+    assert d.reason == "prefix_affinity:least_loaded (a overloaded 80 vs b=10)"
+
+
 def test_shape_uses_the_cached_prefix_on_the_affinity_backend():
     long_prompt = req(LONG_PROMPT, 4000, 100)
     vs = (view("a", VLLM), view("b", HIP, 0, slots(0), engine="llamacpp"))

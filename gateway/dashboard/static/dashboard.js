@@ -1,36 +1,17 @@
-// shapegate dashboard: polls /dashboard/feed every second, keeps 5 minutes of history, draws it.
+// shapegate dashboard: polls /dashboard/feed every second, shows it in tables and (charts.js) charts of the last
+// 10 minutes.
 'use strict';
 
 (() => {
   const FEED_URL = '/dashboard/feed';
   const POLL_MS = 1000;
   const FETCH_TIMEOUT_MS = 2500;
-  const HISTORY_S = 300;
-  // The time axis grows with the history held (in 30 s steps) up to HISTORY_S, so a page opened a
-  // moment ago shows its few seconds across the chart rather than squeezed against its right edge.
-  const SPAN_STEP_S = 30;
-  // A missing poll longer than this is drawn as a gap, so an outage is visible in every chart.
-  const GAP_S = 3.5;
   const STALE_AFTER_S = 3;
   const PALETTE = ['#4e9bff', '#ffa94d', '#38d9a9', '#f783ac', '#ffd43b', '#b197fc', '#ff6b6b', '#66d9e8'];
   const CLASS_ORDER = ['interactive', 'long_prompt', 'long_output', 'default'];
   const OUTCOMES = ['ok', 'client_left', 'client_error', 'engine_error'];
 
-  const pct = (v) => (v == null ? null : v * 100);
-  const CHARTS = [
-    { id: 'ttft_p50', title: 'TTFT p50', unit: 'ms', get: (b) => b.overall?.ttft_ms?.p50 },
-    { id: 'ttft_p99', title: 'TTFT p99', unit: 'ms', get: (b) => b.overall?.ttft_ms?.p99 },
-    { id: 'itl_p50', title: 'ITL p50', unit: 'ms', get: (b) => b.overall?.itl_ms?.p50 },
-    { id: 'output_tps', title: 'Throughput', unit: 'out tok/s', get: (b) => b.overall?.output_tps },
-    { id: 'rps', title: 'Requests', unit: 'req/s', get: (b) => b.overall?.rps },
-    // The engine's own failures only: a client that left or sent a bad request is not the engine's error.
-    { id: 'error_rate', title: 'Engine error rate', unit: '%', cap: 100, get: (b) => pct(b.overall?.error_rate) },
-    { id: 'waiting', title: 'Queue waiting', unit: 'requests', get: (b) => b.load?.waiting },
-    { id: 'in_flight', title: 'In flight', unit: 'requests', get: (b) => b.in_flight },
-  ];
-
   const state = {
-    history: [], // [{t, values: {backendId: {chartId: number|null}}}]
     colors: new Map(),
     lastOk: null, // {t (client s), feed}
     failure: null, // reason string while the feed is failing
@@ -235,103 +216,6 @@
     for (const n of document.querySelectorAll('.window, .window-note')) n.textContent = span;
   }
 
-  function buildCharts() {
-    const root = $('[data-testid="charts"]');
-    for (const spec of CHARTS) {
-      spec.canvas = el('canvas', { 'aria-label': `${spec.title} per backend, last 5 minutes`, role: 'img' });
-      spec.legend = el('ul', { class: 'legend' });
-      root.append(el('figure', { class: 'chart', testid: `chart:${spec.id}` },
-        el('figcaption', {}, spec.title, el('span', { class: 'unit' }, spec.unit)), spec.legend, spec.canvas));
-    }
-  }
-
-  function renderLegends(feed) {
-    for (const spec of CHARTS) {
-      spec.legend.replaceChildren(...feed.backends.map((b) => {
-        const v = spec.get(b);
-        return el('li', {}, el('i', { class: 'swatch', color: colorOf(b.id) }), `${b.id} `,
-          el('b', {}, num(`${spec.id}:${b.id}`, v ?? null)));
-      }));
-    }
-  }
-
-  function record(feed, t) {
-    const values = {};
-    for (const b of feed.backends) {
-      values[b.id] = {};
-      for (const spec of CHARTS) values[b.id][spec.id] = spec.get(b) ?? null;
-    }
-    state.history.push({ t, values });
-    while (state.history.length && state.history[0].t < t - HISTORY_S) state.history.shift();
-  }
-
-  function niceCeil(v) {
-    if (!(v > 0)) return 1;
-    const p = 10 ** Math.floor(Math.log10(v));
-    for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * p) return m * p;
-    return 10 * p;
-  }
-
-  function drawChart(spec, now) {
-    const cv = spec.canvas;
-    const dpr = window.devicePixelRatio || 1;
-    const w = cv.clientWidth;
-    const h = cv.clientHeight;
-    if (!w || !h) return;
-    if (cv.width !== Math.round(w * dpr) || cv.height !== Math.round(h * dpr)) {
-      cv.width = Math.round(w * dpr);
-      cv.height = Math.round(h * dpr);
-    }
-    const g = cv.getContext('2d');
-    g.setTransform(dpr, 0, 0, dpr, 0, 0);
-    g.clearRect(0, 0, w, h);
-    const L = 46, R = 8, T = 6, B = 18;
-    const pw = w - L - R, ph = h - T - B;
-    let max = 0;
-    for (const s of state.history) for (const id in s.values) max = Math.max(max, s.values[id][spec.id] ?? 0);
-    const top = Math.min(spec.cap ?? Infinity, niceCeil(max * 1.1));
-    const held = state.history.length ? now - state.history[0].t : 0;
-    const span = Math.min(HISTORY_S, Math.max(SPAN_STEP_S, Math.ceil(held / SPAN_STEP_S) * SPAN_STEP_S));
-    const x = (t) => L + ((t - (now - span)) / span) * pw;
-    const y = (v) => T + ph - (v / top) * ph;
-    g.font = '11px system-ui, sans-serif';
-    g.fillStyle = '#8b95a7';
-    g.strokeStyle = '#2a3140';
-    g.lineWidth = 1;
-    g.textAlign = 'right';
-    g.textBaseline = 'middle';
-    for (const f of [0, 0.5, 1]) {
-      const yy = Math.round(y(top * f)) + 0.5;
-      g.beginPath(); g.moveTo(L, yy); g.lineTo(L + pw, yy); g.stroke();
-      g.fillText(fmt(top * f), L - 5, yy);
-    }
-    g.textAlign = 'center';
-    g.textBaseline = 'alphabetic';
-    const step = [5, 10, 15, 30, 60].find((s) => span / s <= 6) ?? 60;
-    for (let k = Math.floor(span / step); k >= 0; k--) {
-      const ago = k * step;
-      const label = !ago ? 'now' : ago % 60 ? `-${ago}s` : `-${ago / 60}m`;
-      g.fillText(label, Math.min(x(now - ago), L + pw - 12), h - 4);
-    }
-    for (const id of state.colors.keys()) {
-      g.strokeStyle = g.fillStyle = state.colors.get(id);
-      g.lineWidth = 1.8;
-      g.beginPath();
-      let prev = null;
-      let last = null;
-      for (const s of state.history) {
-        const v = s.values[id]?.[spec.id];
-        if (v == null) { prev = null; continue; }
-        const px = x(s.t), py = y(v);
-        if (prev && s.t - prev <= GAP_S) g.lineTo(px, py); else g.moveTo(px, py);
-        prev = s.t;
-        last = [px, py];
-      }
-      g.stroke();
-      if (last) { g.beginPath(); g.arc(last[0], last[1], 2.5, 0, 2 * Math.PI); g.fill(); }
-    }
-  }
-
   function renderStatus() {
     const now = nowS();
     const age = state.lastOk ? now - state.lastOk.t : null;
@@ -346,23 +230,25 @@
       const from = state.lastOk ? `Numbers shown are from ${clock(state.lastOk.feed.now ?? state.lastOk.t)}, ${Math.round(age)} s old.` : 'No data received yet.';
       banner.textContent = `STALE: feed failing${since} (${why}). ${from}`;
     }
-    for (const spec of CHARTS) drawChart(spec, now);
+    charts.draw(now);
   }
 
   function apply(feed) {
     const t = nowS();
     feed.backends = Array.isArray(feed.backends) ? feed.backends : [];
+    const recovered = state.failure != null && state.lastOk != null;
     state.lastOk = { t, feed };
     state.failure = null;
     state.failingSince = null;
     for (const b of feed.backends) colorOf(b.id);
-    record(feed, t);
+    charts.record(feed, t);
+    if (recovered) charts.load().then(renderStatus); // the gateway kept the figures this page missed
     renderTotals(feed);
     renderBackends(feed);
     renderOutcomes(feed);
     renderRouting(feed);
     renderReplicas(feed);
-    renderLegends(feed);
+    charts.legends(feed);
     const stamp = $('[data-testid="last-update"]');
     stamp.textContent = clock(feed.now ?? t);
     stamp.dataset.value = String(feed.now ?? t);
@@ -393,10 +279,12 @@
 
   // The experiments section (experiments.js, loaded after this file) builds its DOM with the same helpers.
   window.shapegateDashboard = Object.freeze({ el, fmt, fmtPct, clock, num, badge });
+  // charts.js, loaded before this file: the charts and the history that fills them as the page opens.
+  const charts = window.shapegateCharts({ el, fmt, num, colorOf, colors: state.colors, root: $('[data-testid="charts"]') });
 
-  buildCharts();
   // Charts and the age counter keep moving while a fetch hangs, so staleness is always visible.
   setInterval(renderStatus, POLL_MS);
   window.addEventListener('resize', renderStatus);
+  charts.load().then(renderStatus);
   poll();
 })();

@@ -67,8 +67,9 @@
       el('h4', {}, name),
       el('ul', {}, ...groups.get(name).sort(byDecisiveness).map((c) => el('li', {
         class: `v-${c.verdict}`, value: c.verdict,
-      }, el('span', { title: figures(c), value: c.verdict, testid: `verdict:${x.name}:${name}:${c.metric}:${c.arms[1]}` },
-        c.summary), ...quantiles(x, name, c)))))));
+      }, el('span', {
+        title: figures(c), value: c.verdict, testid: `verdict:${x.name}:${name}:${c.metric}:${c.arms[1]}`,
+      }, c.summary), ...quantiles(x, name, c)))))));
   }
 
   // An arm the error guard stopped: why, since when, how to resume it (on the command line or the admin API).
@@ -127,7 +128,9 @@
 
   function renderExperiment(x) {
     const how = x.mode === 'shadow' ? `shadow, copies of ${fmtPct(x.fraction)} of requests` : x.mode;
-    const margin = x.practical_margin == null ? '' : ` · differences under ${fmtPct(x.practical_margin)} are none`;
+    // toPrecision: 0.05 * 100 is 5.000000000000001 in floating point, shown as 5.
+    const under = +(x.practical_margin * 100).toPrecision(3);
+    const margin = x.practical_margin == null ? '' : ` · differences under ${under}% are none`;
     return el('article', { class: 'experiment', testid: `experiment:${x.name}` },
       el('h3', {}, x.name, ' ', badge('experiment', x.enabled ? 'running' : 'stopped', `experiment-state:${x.name}`),
         el('small', {}, ` model ${x.model} · ${how} · subject ${x.subject}${margin}`)),
