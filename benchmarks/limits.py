@@ -92,8 +92,8 @@ def same_process(args, tmp: Path, engine: str, script: str, procs: list) -> list
 async def in_process(n: int, repeats: int, prefix: str) -> dict:
     """Microseconds per request of the limiter alone (plan, reserve, headers, settle), best of `repeats` runs of
     `n`: local buckets, and the Redis script over the loopback at one request at a time (a round trip each)."""
-    from gateway.keys.principal import Principal
     from gateway.config import LimitsConfig, StateConfig
+    from gateway.keys.principal import Principal
     from gateway.limits.limiter import Limiter
     from gateway.limits.redis_buckets import SharedBuckets
     from gateway.observe.metrics import Metrics

@@ -20,8 +20,8 @@ import policies
 from benchmarks import kit
 from gateway.config import ShapeConfig
 from gateway.contracts import BackendView, LatencyEstimate, LoadSample, RouteInput
-from gateway.routing.shape import classify, session_of
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.shape import classify, session_of
 
 TARGET_US = 50.0
 

@@ -21,8 +21,8 @@ import aiohttp
 import orjson
 
 from benchmarks import kit
-from gateway.config import GatewayConfig, parse_config
 from gateway.cli.probe import probe_all, render
+from gateway.config import GatewayConfig, parse_config
 from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
 from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, start_llama_server, start_vllm_server

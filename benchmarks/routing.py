@@ -30,8 +30,9 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
-from benchmarks import kit, routing_bound, routing_markdown, routing_report
+from benchmarks import kit, routing_bound
 from benchmarks import routing_conditions as C
+from benchmarks import routing_markdown, routing_report
 from benchmarks import routing_workload as W
 from benchmarks.stack import record_request, serve_gateway, serve_sims, stack_config, stop_children, wait_ready
 

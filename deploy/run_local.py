@@ -34,22 +34,9 @@ except ModuleNotFoundError:
     print(f"run_local: PyYAML is needed to read deploy/compose.yaml: {DEPLOY_EXTRA}", file=sys.stderr)
     sys.exit(2)
 
-from deploy.compose_plan import (  # noqa: E402 (after the check above)
-    COMPOSE,
-    DEMO_KEYS,
-    LOCAL_HOST,
-    ROOT,
-    ComposeError,
-    Service,
-    free_port,
-    listen_port,
-    load_compose,
-    local_argv,
-    local_ports,
-    render_config,
-    services,
-    start_order,
-)
+from deploy.compose_plan import (COMPOSE, DEMO_KEYS, LOCAL_HOST, ROOT,  # noqa: E402 (after the check above)
+                                 ComposeError, Service, free_port, listen_port, load_compose, local_argv, local_ports,
+                                 render_config, services, start_order)
 from gateway.cli.main import Parser
 from gateway.config import ConfigError, load_config
 from gateway.runtime import build_policy

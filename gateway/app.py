@@ -19,22 +19,22 @@ from aiohttp import web
 from gateway.config import GatewayConfig, StateConfig
 from gateway.dashboard import FeedHistory, session_principal, setup_dashboard
 from gateway.errors import GatewayError
-from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.experiments.share import ExperimentShare
 from gateway.experiments.share import share_loop as experiment_share_loop
 from gateway.fleet.health import load_loop, probe_loop
 from gateway.http.front import API_ROUTES, Front, start_serving
 from gateway.http.inner import PEER_HEADER, unknown_path
+from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
+from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
 from gateway.ops.keys_view import keys_view
-from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
 from gateway.ops.workers import GROUP_SECRET_ENV
 from gateway.pipeline import serve_api
+from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.routing.request import Exchange
 from gateway.runtime import GATEWAY, Gateway, stats_report
-from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.stats.merge import fold_counters, replicas_report, take_summary
 from gateway.stats.share import share_loop
 

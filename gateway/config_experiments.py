@@ -8,7 +8,6 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.config_base import Strict
 
-
 # An arm's weight: its share is weight / the arms' total. Weights are relative, so a bound costs nothing (a
 # 0.0001 % canary is 1 against 1e6) and keeps the total finite: weights summing past a float's range would
 # make every share 0.

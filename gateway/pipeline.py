@@ -8,19 +8,18 @@ from typing import TYPE_CHECKING, Any, Final, Iterator
 
 import orjson
 
-from gateway.experiments import experiment as experiments
-
-from gateway.experiments import shadow
-from gateway.routing.admission import admit
-from gateway.routing.context import fitting
 from gateway.contracts import (PATHS, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
-from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error,
-                            shutting_down, upstream_failed, upstream_timeout)
-from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error, charge_send_error,
-                              charge_timeout, model_refused, settle)
+from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error, shutting_down,
+                            upstream_failed, upstream_timeout)
+from gateway.experiments import experiment as experiments
+from gateway.experiments import shadow
 from gateway.http.headers import trace_headers, valid_request_id
+from gateway.routing.admission import admit
 from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, stream_status
+from gateway.routing.context import fitting
+from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge, charge_engine_error,
+                                      charge_send_error, charge_timeout, model_refused, settle)
 from gateway.routing.relay import DroppingModelRewrite, EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import Exchange, RequestState
 from gateway.routing.shape import classify, session_of

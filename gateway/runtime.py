@@ -15,24 +15,24 @@ from aiohttp import web
 import backends
 import policies
 from backends.slots import Slots
-from gateway.keys.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.routing.context import PromptSizer
-from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, Record, RequestShape
-from gateway.http.headers import safe_value
+from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
+from gateway.fleet.pool import BackendState, Pool
 from gateway.hot_settings import HotSettings
+from gateway.http.headers import safe_value
+from gateway.keys.auth import Authenticator
 from gateway.keys.keystore import KeyStore
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.observe.access_log import AccessEntry, AccessLog
 from gateway.observe.metrics import Metrics
-from gateway.routing.request import ExperimentRef, RequestState
-from gateway.fleet.pool import BackendState, Pool
 from gateway.routing.affinity import AffinityIndex
+from gateway.routing.context import PromptSizer
+from gateway.routing.request import ExperimentRef, RequestState
 from gateway.stats.key_usage import KeyUsage
-from gateway.stats.rolling import OutputEstimator, Tally
 from gateway.stats.merge import group_report
+from gateway.stats.rolling import OutputEstimator, Tally
 from gateway.stats.share import Sharing
 
 SAFE_UPSTREAM_HEADERS: Final = ("content-type",)

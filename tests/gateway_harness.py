@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 
 from gateway.app import build_app, serve
-from gateway.keys.principal import hash_key
 from gateway.config import parse_config
 from gateway.http.front import Front
+from gateway.keys.principal import hash_key
 from gateway.runtime import GATEWAY, build_policy
 
 USER_KEY = "sk-test-user-key"

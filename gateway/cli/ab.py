@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
+
+from gateway.cli.admin_http import AdminError, AdminRefused, admin_call
 
 KEY_ENV = "SHAPEGATE_ADMIN_KEY"
 URL_ENV = "SHAPEGATE_URL"  # the gateway every admin command (ab, keys) asks unless --url says otherwise
@@ -105,68 +104,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-# urllib rather than the gateway's clients: one blocking call to the admin API and the command exits, with no
-# event loop or session to run (shapegate keys does the same).
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    # urllib would send the Authorization header on to wherever a redirect points, another host included.
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
-
-
-def _error_message(body: bytes) -> str:
-    """The gateway's own reason from an OpenAI-shaped error body, on one line; "" if there is none."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return ""
-    return " ".join(str(message).split())[:200]
-
-
 def _call(url: str, key: str, timeout: float, path: str, change: dict | None = None) -> Any:
     """GET `path` of the gateway at `url` (PUT `change` there, if given): its JSON answer, or Refused with the
     reason (status 1 when the gateway refused the change itself, 2 when it could not be asked)."""
-    base = url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise Refused(f"--url must start with http:// or https:// (got {url!r})")
-    endpoint = base + path
-    request = urllib.request.Request(endpoint, headers={"Authorization": f"Bearer {key}",
-                                                        "Accept": "application/json"})
-    if change is not None:
-        request.method, request.data = "PUT", json.dumps(change).encode()
-        request.add_header("Content-Type", "application/json")
     try:
-        with _OPENER.open(request, timeout=timeout) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            status, reason = e.code, _error_message(e.read())
-        if status in (401, 403):
-            raise Refused(f"{base} refused the key (HTTP {status}){': ' + reason if reason else ''}") from None
-        if 300 <= status < 400:
-            where = e.headers.get("Location", "?")
-            raise Refused(f"{endpoint} redirects to {where}: give that address as --url (the key was not sent on)") \
-                from None
-        if change is not None and status in (400, 404) and reason:
-            raise Refused(f"{base} made no change (HTTP {status}): {reason}", status=1) from None
-        if status == 404:
-            raise Refused(f"{endpoint} not found (HTTP 404): is {base} a shapegate gateway?") from None
-        raise Refused(f"{endpoint} answered HTTP {status}{': ' + reason if reason else ''}") from None
-    except TimeoutError:
-        raise Refused(f"no answer from {base} within {timeout:g} s") from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, TimeoutError):
-            raise Refused(f"no answer from {base} within {timeout:g} s") from None
-        why = e.reason.strerror if isinstance(e.reason, OSError) and e.reason.strerror else e.reason
-        raise Refused(f"cannot connect to {base}: {why}") from None
-    except (OSError, http.client.HTTPException) as e:  # e.g. the connection closed before an answer
-        raise Refused(f"{base} did not answer: {type(e).__name__}: {e}") from None
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise Refused(f"{endpoint} did not answer JSON") from None
+        return admin_call(url, key, timeout, "GET" if change is None else "PUT", path, change)
+    except AdminError as e:
+        raise Refused(str(e), e.status) from None
+    except AdminRefused as e:
+        if change is not None and e.status in (400, 404) and e.reason:
+            raise Refused(f"{e.base} made no change (HTTP {e.status}): {e.reason}", status=1) from None
+        if e.status == 404:
+            raise Refused(f"{e.endpoint} not found (HTTP 404): is {e.base} a shapegate gateway?") from None
+        raise Refused(f"{e.endpoint} answered {e}") from None
 
 
 def fetch(url: str, key: str, timeout: float) -> dict:

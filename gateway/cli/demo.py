@@ -8,8 +8,8 @@ import signal
 import sys
 
 from gateway.app import build_app, serve
-from gateway.keys.principal import hash_key, new_key
 from gateway.config import parse_config
+from gateway.keys.principal import hash_key, new_key
 from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
 

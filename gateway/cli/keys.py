@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from gateway.cli.ab import DEFAULT_URL, KEY_ENV, URL_ENV
+from gateway.cli.admin_http import AdminError, AdminRefused, admin_call
 
 NOT_SHOWN_AGAIN = "Give the key to its client: the gateway keeps only its sha256 and cannot show it again."
 
@@ -27,58 +25,16 @@ class Failed(Exception):
         self.status = status
 
 
-# urllib rather than the gateway's clients: one blocking call to the admin API and the command exits, with
-# no event loop or session to run (as shapegate ab).
-class _KeepAuthorizationHere(urllib.request.HTTPRedirectHandler):
-    # Following a redirect would send the admin key on to wherever it points.
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-_OPENER = urllib.request.build_opener(_KeepAuthorizationHere)
-
-
-def _reason(body: bytes) -> str:
-    try:
-        return " ".join(str(json.loads(body)["error"]["message"]).split())[:300]
-    except (ValueError, KeyError, TypeError):
-        return ""
-
-
 def call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
     """One request to the gateway's admin routes; Failed with the gateway's own reason when refused."""
     if not args.admin_key:
         raise Failed(f"no admin key: set {KEY_ENV} (or pass --admin-key)", 2)
-    base = args.url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise Failed(f"--url must start with http:// or https:// (got {args.url!r})", 2)
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {args.admin_key}",
-                                          "Content-Type": "application/json", "Accept": "application/json"})
     try:
-        with _OPENER.open(req, timeout=args.timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            status, reason = e.code, _reason(e.read())
-        why = f"HTTP {status}{': ' + reason if reason else ''}"
-        if status in (401, 403):
-            raise Failed(f"{base} refused the admin key ({why})", 2) from None
-        if 300 <= status < 400:
-            raise Failed(f"{base}{path} redirects to {e.headers.get('Location', '?')}: give that address as --url "
-                         "(the key was not sent on)", 2) from None
-        raise Failed(why) from None
-    except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        cause = getattr(e, "reason", e)
-        if isinstance(cause, TimeoutError):
-            raise Failed(f"no answer from {base} within {args.timeout:g} s", 2) from None
-        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
-        raise Failed(f"cannot reach {base}: {why}", 2) from None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise Failed(f"{base}{path} did not answer JSON: is it a shapegate gateway?", 2) from None
+        return admin_call(args.url, args.admin_key, args.timeout, method, path, body)
+    except AdminError as e:
+        raise Failed(str(e), e.status) from None
+    except AdminRefused as e:
+        raise Failed(str(e)) from None
 
 
 def config_block(key_id: str, digest: str, admin: bool) -> str:

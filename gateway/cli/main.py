@@ -15,10 +15,9 @@ import sys
 from typing import NoReturn
 
 from gateway.cli import ab as ab_report
-
 from gateway.cli import keys as keys_client
-from gateway.keys.principal import hash_key, new_key
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.keys.principal import hash_key, new_key
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,8 +48,8 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
     """Run the gateway; SIGHUP reloads the config; SIGTERM/SIGINT stop accepting and let streams finish."""
     from gateway.app import build_app, serve
     from gateway.ops.lifecycle import CUT_MARGIN_S, shutdown
-    from gateway.runtime import GATEWAY
     from gateway.ops.reload import RELOADER
+    from gateway.runtime import GATEWAY
 
     try:
         app = build_app(cfg, config_path)

@@ -17,14 +17,7 @@ import orjson
 from aiohttp import web
 
 from gateway.dashboard.history import FeedHistory
-from gateway.dashboard.session import (
-    Binding,
-    bound_secret,
-    check_secret,
-    issue_token,
-    verify_bound_token,
-    verify_token,
-)
+from gateway.dashboard.session import Binding, bound_secret, check_secret, issue_token, verify_bound_token, verify_token
 from gateway.dashboard.throttle import SignInThrottle
 
 log = logging.getLogger(__name__)

@@ -11,19 +11,9 @@ from typing import Mapping
 import aiohttp
 
 from backends.openai_http import printable
-from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.config import BackendConfig
-from gateway.fleet.probe_checks import (
-    ERROR,
-    MODEL_CHECKS,
-    YES,
-    Cell,
-    Target,
-    TimedOut,
-    Verdict,
-    check_answers,
-    clip,
-)
+from gateway.config_experiments import PROBE_CHECKS as CHECKS
+from gateway.fleet.probe_checks import ERROR, MODEL_CHECKS, YES, Cell, Target, TimedOut, Verdict, check_answers, clip
 
 log = logging.getLogger("shapegate.probe")
 # On readiness, a model whose required check ended in an error is probed again after at most this long.

@@ -9,20 +9,10 @@ import os
 import secrets
 import time
 
-from gateway.keys.principal import Principal, hash_key, new_key
 from gateway.config import GatewayConfig, KeyLimits
-from gateway.keys.storage import (
-    ID_PATTERN,
-    FileKeys,
-    KeyBackend,
-    KeyExists,
-    KeyNotFound,
-    KeyRecord,
-    MemoryKeys,
-    Records,
-    RedisKeys,
-    StoreUnavailable,
-)
+from gateway.keys.principal import Principal, hash_key, new_key
+from gateway.keys.storage import (ID_PATTERN, FileKeys, KeyBackend, KeyExists, KeyNotFound, KeyRecord, MemoryKeys,
+                                  Records, RedisKeys, StoreUnavailable)
 from gateway.stats.share import STATS_DIR_ENV
 
 __all__ = ["ID_PATTERN", "KeyExists", "KeyNotFound", "KeyRecord", "KeyStore", "StoreUnavailable"]

@@ -16,14 +16,8 @@ from pydantic import Field, ValidationError
 from redis.exceptions import RedisError
 
 from gateway.config import ApiKey, StateConfig
-from gateway.keys.private_file import (
-    PrivateFileError,
-    check_private_place,
-    open_lock,
-    private_path,
-    read_private,
-    write_private,
-)
+from gateway.keys.private_file import (PrivateFileError, check_private_place, open_lock, private_path, read_private,
+                                       write_private)
 
 log = logging.getLogger("shapegate.keys")
 

@@ -12,13 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.config import KeyLimits
 from gateway.errors import GatewayError, bad_request
-from gateway.keys.keystore import (
-    ID_PATTERN,
-    KeyExists,
-    KeyNotFound,
-    KeyRecord,
-    StoreUnavailable,
-)
+from gateway.keys.keystore import ID_PATTERN, KeyExists, KeyNotFound, KeyRecord, StoreUnavailable
 from gateway.keys.principal import hash_key
 from gateway.keys.storage import MAX_RUNTIME_KEYS, TooManyKeys
 from gateway.runtime import GATEWAY, Gateway

@@ -9,10 +9,10 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
-from gateway.keys.auth import Authenticator
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, RoutingConfig, load_config
 from gateway.errors import GatewayError
 from gateway.experiments.experiment import Experiments
+from gateway.keys.auth import Authenticator
 from gateway.runtime import GATEWAY, build_policy, build_routing
 
 log = logging.getLogger("shapegate.reload")

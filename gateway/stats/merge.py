@@ -6,8 +6,8 @@ import logging
 import math
 import time
 
-from gateway.stats import sketch
 from gateway.contracts import CLASSES, ENGINE_ERROR, LatencyEstimate
+from gateway.stats import sketch
 from gateway.stats.rolling import ATTEMPT_RESULTS, DISTRIBUTIONS, RESULT_INDEX
 
 log = logging.getLogger("shapegate.stats")

@@ -7,9 +7,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Final, Sequence
 
-from gateway.stats import sketch
 from gateway.config import LatencyHints
 from gateway.contracts import CLASSES, CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, LatencyEstimate, Outcome
+from gateway.stats import sketch
 
 Clock = Callable[[], float]
 

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import openai
 
-from gateway.sim.runner import SimOptions, SimServer, start_sim
 from benchmarks.loopback import free_port
+from gateway.sim.runner import SimOptions, SimServer, start_sim
 from tests.e2e import wire
 from tests.e2e.engines import LLAMA_ALIAS, VLLM_NAME, EngineHandle
 from tests.e2e.quirks import QUIRKS, EngineQuirks

@@ -9,8 +9,7 @@ import openai
 import pytest
 
 from tests.e2e import wire
-from tests.e2e.targets import (PUBLIC_MODEL, Target, backend, config, gateway_metrics, labelled, open_target,
-                               stats)
+from tests.e2e.targets import PUBLIC_MODEL, Target, backend, config, gateway_metrics, labelled, open_target, stats
 from tests.gateway_harness import USER_KEY, start_gateway
 
 pytestmark = pytest.mark.e2e

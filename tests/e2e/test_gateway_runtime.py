@@ -18,8 +18,7 @@ from gateway.sim.runner import start_sim
 from tests.e2e import wire
 from tests.e2e.engines import start_llama_server
 from tests.e2e.targets import (PUBLIC_MODEL, Boot, Target, backend, config, engine_generated, engine_running,
-                               gateway_metrics,
-                               labelled, last_sample, sim_options, start_sim_at, stats, watch_startup)
+                               gateway_metrics, labelled, last_sample, sim_options, start_sim_at, stats, watch_startup)
 from tests.gateway_harness import USER_KEY, start_gateway
 from tests.kit import until
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import parse_config
 from gateway.cli.probe import probe_all, render
+from gateway.config import parse_config
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.fleet.probe_checks import NO, YES
 from gateway.runtime import build_policy

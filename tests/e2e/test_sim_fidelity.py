@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.sim.runner import SimServer, start_sim
 from benchmarks.loopback import free_port
+from gateway.sim.runner import SimServer, start_sim
 from tests.e2e import wire
 from tests.e2e.quirks import QUIRKS, check_connection_after_reply
 from tests.e2e.targets import sim_options

@@ -13,8 +13,8 @@ import orjson
 import redis.asyncio as redis_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.routing.shape import session_key
 from benchmarks.loopback import Proc
+from gateway.routing.shape import session_key
 from tests import kit
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config

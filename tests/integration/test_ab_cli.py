@@ -95,8 +95,8 @@ async def test_the_table_shows_the_experiment_its_arms_and_verdicts(gw) -> None:
 async def test_refusals_are_one_line_exit_2_and_never_show_the_key(gw) -> None:
     wrong = "sk-not-a-key-of-this-gateway"
     cases = {
-        wrong: f"shapegate: {gw.url} refused the key (HTTP 401): Invalid or missing API key.\n",
-        USER_KEY: f"shapegate: {gw.url} refused the key (HTTP 403): This route needs an admin API key.\n",
+        wrong: f"shapegate: {gw.url} refused the admin key (HTTP 401): Invalid or missing API key.\n",
+        USER_KEY: f"shapegate: {gw.url} refused the admin key (HTTP 403): This route needs an admin API key.\n",
     }
     for key, expected in cases.items():
         status, out, err = await ab("--url", gw.url, "--key", key)
@@ -177,7 +177,7 @@ async def test_set_stop_and_start_change_a_running_gateway(sim_gw) -> None:
     status, out, err = await ab("set", "ab", "--url", gw.url, *key)
     assert (status, out) == (2, "") and err.startswith("shapegate: nothing to set")
     status, out, err = await ab("stop", "ab", "--url", gw.url, "--key", USER_KEY)
-    assert (status, out) == (2, "") and "refused the key (HTTP 403)" in err
+    assert (status, out) == (2, "") and "refused the admin key (HTTP 403)" in err
     status, out, err = await ab("set", "ab", "--weights", "a=x", "--url", gw.url, *key)
     assert status == 2 and "expected ARM=WEIGHT pairs" in err
     (x,) = (await admin_report(gw))["data"]

@@ -14,11 +14,11 @@ import tomllib
 import pytest
 
 from backends.vllm import VLLMBackend
+from benchmarks.loopback import ROOT, free_port
 from gateway.config import parse_config
 from gateway.keys.principal import hash_key
 from gateway.runtime import build_policy
 from gateway.sim.runner import SimOptions, start_sim
-from benchmarks.loopback import ROOT, free_port
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, gateway_config, start_gateway
 from tests.procs import shapegate, write_config
@@ -222,7 +222,7 @@ REFUSALS = {
         "shapegate: no admin key: set SHAPEGATE_ADMIN_KEY (or pass --admin-key)"),
     "keys, no gateway at SHAPEGATE_URL": (
         ("-m", "gateway.cli", "keys", "revoke", "team-b"), {"SHAPEGATE_URL": DEAD, "SHAPEGATE_ADMIN_KEY": "k"},
-        f"shapegate: cannot reach {DEAD}: Connection refused"),
+        f"shapegate: cannot connect to {DEAD}: Connection refused"),
     "keys hash, no key": (
         ("-m", "gateway.cli", "keys", "hash"), {},
         "shapegate: empty key"),

@@ -16,9 +16,9 @@ import openai
 import pytest
 
 import gateway.app
+from benchmarks.loopback import free_port
 from gateway.sim.faults import FaultSpec
 from gateway.sim.runner import SimOptions, SimServer, start_sim
-from benchmarks.loopback import free_port
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, RunningGateway, gateway_config, start_gateway
 from tests.integration.browser import FormLogin, open_page, screenshot_and_read

@@ -15,10 +15,10 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
+from benchmarks.loopback import free_port, wait_http
 from gateway.dashboard import COOKIE_NAME
 from gateway.keys.principal import hash_key
 from gateway.ops.reload import RELOADER
-from benchmarks.loopback import free_port, wait_http
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.needs import REDIS_URL, redis_up, skip_or_fail

@@ -10,8 +10,8 @@ import sys
 
 import openai
 
-from gateway.cli.demo import MODEL, SECOND_MODEL, run_demo
 from benchmarks.loopback import free_port
+from gateway.cli.demo import MODEL, SECOND_MODEL, run_demo
 
 
 async def test_demo_serves_the_printed_snippet():

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from benchmarks.loopback import Proc, free_port
-from tests.procs import gateway_proc, to_toml, workers_ready
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
+from tests.procs import gateway_proc, to_toml, workers_ready
 
 MODEL = "m"
 

@@ -15,9 +15,9 @@ from aiohttp import web
 import backends
 import policies
 from backends.openai_http import OpenAIHTTPBackend
+from benchmarks.loopback import free_port
 from gateway.config import ConfigError, parse_config
 from gateway.runtime import build_policy
-from benchmarks.loopback import free_port
 from tests.fake_engine import FakeEngine, Knobs, make_app
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 

@@ -10,7 +10,7 @@ import aiohttp
 from gateway.contracts import READY, UNHEALTHY
 from gateway.fleet.health import OPEN
 from tests.gateway_harness import gateway_config, start_gateway
-from tests.integration.failover_kit import ask, backend, every_class, first_content, sim, AUTH, MSG
+from tests.integration.failover_kit import AUTH, MSG, ask, backend, every_class, first_content, sim
 from tests.kit import until
 from tests.procs import sim_proc
 

@@ -8,8 +8,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from gateway.contracts import READY, UNHEALTHY
 from benchmarks.loopback import free_port
+from gateway.contracts import READY, UNHEALTHY
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import gateway_config, start_gateway
 from tests.integration.failover_kit import AUTH, MSG, ask, backend, sim

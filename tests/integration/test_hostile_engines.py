@@ -14,11 +14,11 @@ import pytest
 from tests.fake_engine import FakeEngine
 from tests.gateway_harness import gateway_config, start_gateway
 from tests.kit import until
-from tests.raw_engine import (CONTENT, JSON_BODY, MSG, assert_clean_head, bad_chunk, body_of, chat_ok, chunk,
-                              cl_reply, empty_then_close, error_event, first_event_then_bad_chunk, good,
+from tests.raw_engine import (CONTENT, JSON_BODY, MSG, RawEngine, Reply, assert_clean_head, bad_chunk, body_of, chat_ok,
+                              chunk, cl_reply, empty_then_close, error_event, first_event_then_bad_chunk, good,
                               good_then_late_reply, head, head_over_limit_in_pieces, head_trickled_forever,
-                              huge_chunk_size_then_close, oai, raw_chat, RawEngine, Reply, stream_ending,
-                              with_fields)
+                              huge_chunk_size_then_close, oai, raw_chat, stream_ending, with_fields)
+
 
 @dataclass(frozen=True)
 class Row:

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from backends.http1 import HostPool
-from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
 from benchmarks.loopback import free_port
+from gateway.contracts import UpstreamConnectError, UpstreamDisconnected
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 

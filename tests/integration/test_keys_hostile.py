@@ -11,11 +11,11 @@ import openai
 import orjson
 import pytest
 
+from benchmarks.loopback import free_port
 from gateway.config import MAX_MODEL_LIMITS, MAX_RPM, MAX_TPM
 from gateway.keys import storage
 from gateway.keys.principal import hash_key, new_key
 from gateway.ops.reload import RELOADER
-from benchmarks.loopback import free_port
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.procs import shapegate, to_toml, write_config

@@ -13,8 +13,8 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.keys.principal import hash_key
 from gateway.config import ShapeConfig, StateConfig
+from gateway.keys.principal import hash_key
 from gateway.limits.buckets import REQUESTS, Need
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.observe.metrics import Metrics

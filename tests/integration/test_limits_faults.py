@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.keys.principal import hash_key
 from benchmarks.loopback import Proc
+from gateway.keys.principal import hash_key
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.integration.test_limits_replicas import RedisServer, local_count, replicas_seen, until

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim.runner import SimOptions, start_sim
 from benchmarks.loopback import free_port, wait_http
+from gateway.sim.runner import SimOptions, start_sim
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.procs import ROOT, to_toml, workers_ready

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks import kit, peers_targets
-from benchmarks.peers_client import has_content
 from benchmarks.loopback import free_port
+from benchmarks.peers_client import has_content
 
 EVENTS_PER_STREAM = 203  # role, 200 tokens, finish, usage ([DONE] is not an event the client counts)
 

@@ -9,9 +9,9 @@ import aiohttp
 import orjson
 import pytest
 
+from benchmarks.loopback import free_port
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
 from gateway.sim.runner import SimOptions, start_sim
-from benchmarks.loopback import free_port
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.kit import until
 from tests.procs import shapegate, write_config

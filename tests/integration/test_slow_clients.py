@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
+from benchmarks.loopback import free_port, wait_http
 from gateway.keys.principal import hash_key
 from gateway.observe.access_log import AccessLog
-from benchmarks.loopback import free_port, wait_http
 from tests.fake_engine import FakeEngine, Knobs
-from tests.gateway_harness import (gateway_config)
+from tests.gateway_harness import gateway_config
 from tests.procs import ROOT, to_toml
 from tests.raw_http import (AFTER, AUTH, CHUNKED_HEAD, CT, HOST, KEY, assert_error, chat, cl, close, exchange, post,
                             prompts, read_response, req, rest_of_connection, rig, stop)

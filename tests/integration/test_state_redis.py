@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from gateway.config import ShapeConfig
-from gateway.routing.shape import classify
 from gateway.routing.affinity import AffinityIndex, MemoryStore, RedisStore, StoreError
+from gateway.routing.shape import classify
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
 CFG = ShapeConfig()

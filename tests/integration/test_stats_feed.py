@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from gateway.contracts import ENGINE_ERROR, OK, Outcome, RequestShape
-from gateway.stats.sketch import REL_ERR
-from gateway.stats.rolling import BackendStats
 from gateway.stats.merge import render
+from gateway.stats.rolling import BackendStats
+from gateway.stats.sketch import REL_ERR
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 

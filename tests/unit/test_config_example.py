@@ -11,8 +11,8 @@ import pytest
 from pydantic import BaseModel, TypeAdapter
 
 import policies
-from gateway.keys.principal import hash_key
 from gateway.config import KEY_PLACEHOLDER, ConfigError, GatewayConfig, RoutingConfig, load_config, parse_config
+from gateway.keys.principal import hash_key
 from gateway.runtime import build_policy
 
 ROOT = Path(__file__).resolve().parents[2]

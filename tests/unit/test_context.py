@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing.context import START_HIGH, START_LOW, PromptSizer, prompt_tokens_of
 from gateway.contracts import RequestShape
 from gateway.errors import normalize_engine_error
+from gateway.routing.context import START_HIGH, START_LOW, PromptSizer, prompt_tokens_of
 
 
 def shape(prompt: int, out: int | None = None, model: str = "m") -> RequestShape:

@@ -20,25 +20,15 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from deploy.compose_plan import (
-    DEMO_KEYS,
-    interpolate,
-    listen_port,
-    load_compose,
-    local_argv,
-    local_ports,
-    render_config,
-    seconds,
-    services,
-    start_order,
-)
+from deploy.compose_plan import (DEMO_KEYS, interpolate, listen_port, load_compose, local_argv, local_ports,
+                                 render_config, seconds, services, start_order)
 from deploy.config_watch import _config_arg
 from deploy.run_local import levels
-from gateway.keys.principal import hash_key
 from gateway.cli.main import read_config
 from gateway.config import GatewayConfig
-from gateway.ops.lifecycle import CUT_MARGIN_S
+from gateway.keys.principal import hash_key
 from gateway.observe.metrics import POOL_GAUGES
+from gateway.ops.lifecycle import CUT_MARGIN_S
 from tests.needs import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from gateway.keys.auth import Authenticator, presented_key
-from gateway.keys.principal import hash_key
 from gateway.config import AuthConfig
 from gateway.errors import GatewayError, error_from_event, normalize_engine_error
+from gateway.keys.auth import Authenticator, presented_key
+from gateway.keys.principal import hash_key
 
 
 @pytest.mark.parametrize("status,raw,code,param", [

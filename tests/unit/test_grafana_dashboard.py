@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observe.metrics import Metrics
 from gateway.config import LatencyHints
 from gateway.contracts import ENGINE_ERROR, OK, LoadSample
+from gateway.observe.metrics import Metrics
 from gateway.stats.rolling import LatencyModel
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-shapegate.json"

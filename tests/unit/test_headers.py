@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.http.headers import (safe_value, trace_headers, valid_request_id, valid_traceparent,
-                             valid_tracestate)
+from gateway.http.headers import safe_value, trace_headers, valid_request_id, valid_traceparent, valid_tracestate
 from gateway.http.request_head import check_head, request_headers
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -10,8 +10,8 @@ from backends.openai_http import OpenAIHTTPBackend
 from gateway.config import HealthConfig
 from gateway.contracts import DRAINING, READY, STARTING, UNHEALTHY, ProbeResult
 from gateway.errors import retry_after_header
-from gateway.routing.failover import charge_status, retry_after_s
 from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker, HealthState
+from gateway.routing.failover import charge_status, retry_after_s
 
 OK = ProbeResult(True, 200, "ok")
 REFUSED = ProbeResult(False, 0, "connect failed", refused=True)

@@ -9,11 +9,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.config import AuthConfig
 from gateway.keys import private_file
 from gateway.keys.auth import Authenticator
 from gateway.keys.keystore import KeyStore, StoreUnavailable
 from gateway.keys.principal import hash_key
-from gateway.config import AuthConfig
 from gateway.keys.private_file import UnsafePlace, check_private_place, private_path
 from gateway.keys.storage import FileKeys
 

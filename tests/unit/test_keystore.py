@@ -12,12 +12,12 @@ import orjson
 import pytest
 import redis.asyncio as redis_asyncio
 
-from gateway.keys.auth import Authenticator
-from gateway.keys.principal import hash_key
 from gateway.config import AuthConfig, KeyLimits, StateConfig
 from gateway.keys import storage
-from gateway.keys.storage import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys, TooManyKeys
+from gateway.keys.auth import Authenticator
 from gateway.keys.keystore import KeyExists, KeyNotFound, KeyStore, StoreUnavailable
+from gateway.keys.principal import hash_key
+from gateway.keys.storage import ID_PATTERN, FileKeys, MemoryKeys, RedisKeys, TooManyKeys
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
 CONFIG = AuthConfig(keys=[{"id": "ops", "sha256": hash_key("k-ops"), "admin": True}])

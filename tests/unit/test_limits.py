@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from gateway.keys.principal import Principal
 from gateway.config import KeyLimits, LimitsConfig, RateLimit, ShapeConfig, StateConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outcome, RequestShape
 from gateway.errors import GatewayError
+from gateway.keys.principal import Principal
 from gateway.limits.buckets import REQUESTS, TOKENS, Buckets, Need
 from gateway.limits.limiter import (Limiter, Reservation, build_plan, duration, duration_ms, headers, plan_lines,
                                     reset_text, used_tokens)

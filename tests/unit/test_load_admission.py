@@ -8,11 +8,11 @@ from backends.llamacpp import LlamaCppBackend
 from backends.openai_http import parse_gauges
 from backends.sglang import SGLangBackend, legacy_load_sample, loads_sample
 from backends.vllm import VLLMBackend
-from gateway.routing.admission import admit, saturated
 from gateway.config import AdmissionConfig, parse_config
 from gateway.contracts import LoadSample
 from gateway.errors import GatewayError
 from gateway.ops.reload import plan
+from gateway.routing.admission import admit, saturated
 from gateway.runtime import build_policy
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import policies
-from gateway.contracts import (DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, BackendView, LatencyEstimate,
-                               LoadSample, RequestShape, RouteInput)
+from gateway.contracts import (DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, BackendView, LatencyEstimate, LoadSample,
+                               RequestShape, RouteInput)
 from policies import least_loaded, prefix_affinity, round_robin, shape
 
 # Roughly the R9700 engines: vLLM-like, SGLang-like (slow), llama.cpp-like (fast decode, 4 slots).

@@ -7,7 +7,7 @@ import pytest
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT
 from gateway.routing.shape import (classify, prefix_hashes, prompt_size, prompt_text, requested_output, session_key,
-                           session_of)
+                                   session_of)
 
 CFG = ShapeConfig()  # long_prompt 768 tokens (and 2x the output), long_output 512, default output 256
 

@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from gateway.config import BackendConfig, GatewayConfig, HealthConfig, LatencyHints, ConfigError, parse_config
+from gateway.config import BackendConfig, ConfigError, GatewayConfig, HealthConfig, LatencyHints, parse_config
 from gateway.contracts import DEFAULT, Outcome, RequestShape
 from gateway.experiments.experiment import Experiment
 from gateway.experiments.share import control_problem, samples_problem

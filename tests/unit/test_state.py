@@ -8,8 +8,8 @@ import pytest
 
 from gateway.config import ShapeConfig
 from gateway.contracts import RequestShape
-from gateway.routing.shape import classify
 from gateway.routing.affinity import AffinityIndex, MemoryStore, StoreError
+from gateway.routing.shape import classify
 
 CFG = ShapeConfig()  # 256-character blocks: 64 tokens each
 

@@ -6,10 +6,10 @@ import pytest
 
 from gateway.config import LatencyHints
 from gateway.contracts import CLIENT_LEFT, DEFAULT, ENGINE_ERROR, OK, Outcome, RequestShape
-from gateway.stats.sketch import REL_ERR
-from gateway.stats.rolling import (PRIOR_ITL_S, PRIOR_PREFILL_TPS, PRIOR_TTFT_S, BackendStats, DecayingRidge, LatencyModel,
-                           OutputEstimator)
 from gateway.stats.merge import figures, merge
+from gateway.stats.rolling import (PRIOR_ITL_S, PRIOR_PREFILL_TPS, PRIOR_TTFT_S, BackendStats, DecayingRidge,
+                                   LatencyModel, OutputEstimator)
+from gateway.stats.sketch import REL_ERR
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)
 

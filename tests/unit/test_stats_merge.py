@@ -11,13 +11,13 @@ from collections import deque
 import orjson
 import pytest
 
-from gateway.stats import sketch
 from gateway.config import StateConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, DEFAULT, ENGINE_ERROR, OK, REJECTED, Outcome, RequestShape
 from gateway.fleet.health import Breaker
 from gateway.runtime import request_result
-from gateway.stats.rolling import BackendStats, Tally
+from gateway.stats import sketch
 from gateway.stats.merge import render
+from gateway.stats.rolling import BackendStats, Tally
 from gateway.stats.share import STALE_S, STATS_DIR_ENV, Sharing
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)

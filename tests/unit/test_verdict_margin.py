@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from gateway.experiments.verdict import (METRICS, TAIL_POINTS, _bootstrap_quantile, compare, describe,
-                                         min_samples_of, stats_of)
+from gateway.experiments.verdict import (METRICS, TAIL_POINTS, _bootstrap_quantile, compare, describe, min_samples_of,
+                                         stats_of)
 
 N = 2000  # per arm: what one process's reservoir holds per arm, class and metric
 OUTPUT_TOKENS = 48
