@@ -12,6 +12,9 @@ from gateway.contracts import LoadSample
 
 class LlamaCppBackend(OpenAIHTTPBackend):
     engine = "llamacpp"
+    # (rerank needs --rerank, transcriptions a model that hears: a 404 or a refusal says so per request)
+    apis = frozenset({"chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages",
+                      "count_tokens", "rerank", "transcriptions"})
     health_path = "/health"
     metrics_path = "/metrics"
     slots_path = "/slots"

@@ -11,7 +11,12 @@ import orjson
 from backends.http1 import HostPool
 from backends.http1_response import Response
 from backends.slots import Slots
+from gateway.apis.audio import with_form_model
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
+
+# Routes whose streams report usage only when asked (stream_options.include_usage); the others always do.
+USAGE_ON_REQUEST = frozenset({"chat", "completions"})
+FORMS = frozenset({"transcriptions", "translations"})
 
 # Two HTTP clients reach an engine, each where it fits. Generations (clients', the warm-up's, the support probe's)
 # go through forward(): HostPool (backends/http1.py), the lean llhttp client the request path is measured with,
@@ -101,6 +106,12 @@ class OpenAIHTTPBackend:
     # Top-level fields of its replies (and stream chunks) that are the engine's own, not OpenAI's: the gateway
     # drops them unless [server] (or the backend's) engine_private_fields keeps them.
     private_fields: ClassVar[tuple[str, ...]] = ()
+    # The API routes (gateway/apis/table.py's names) the engine serves. A route it answers with a 404 for its path
+    # is learned as not served at run time too (gateway/fleet/pool.py), so a newer build that serves more only
+    # needs its name here.
+    apis: ClassVar[frozenset[str]] = frozenset({"chat", "completions", "embeddings", "responses", "response",
+                                                "response_cancel", "responses_input_tokens", "transcriptions",
+                                                "translations"})
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,
@@ -119,20 +130,23 @@ class OpenAIHTTPBackend:
     # -- request translation -------------------------------------------------------------------
     def prepare(self, route: str, body: dict[str, Any], raw: bytes, native_model: str, force_usage: bool) -> bytes:
         """The upstream body: the client's bytes unchanged unless a field must change."""
+        if route in FORMS:
+            return raw if native_model == body.get("model") else with_form_model(raw, native_model)
         changes: dict[str, Any] = {}
-        if native_model != body.get("model"):
+        if native_model != body.get("model") and "model" in body:
             changes["model"] = native_model
-        if force_usage and body.get("stream") is True and route != "embeddings":
+        if force_usage and body.get("stream") is True and route in USAGE_ON_REQUEST:
             opts = body.get("stream_options")
             if not (isinstance(opts, dict) and opts.get("include_usage") is True):
                 changes["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-        if self.needs_max_tokens and "max_completion_tokens" in body and "max_tokens" not in body:
+        if self.needs_max_tokens and route == "chat" and "max_completion_tokens" in body and "max_tokens" not in body:
             changes["max_tokens"] = body["max_completion_tokens"]
         if not changes:
             return raw
         return orjson.dumps({**body, **changes})
 
     def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
+        # (a form's own Content-Type, with its boundary, comes as "Content-Type" in client_headers and wins)
         h = {"Content-Type": "application/json", **client_headers}
         if self._auth:
             h.update(self._auth)
@@ -146,7 +160,7 @@ class OpenAIHTTPBackend:
         if pool is None:
             pool = self._pool = HostPool(self.url, self._limit, self._connect_timeout, self._keepalive,
                                          self._idle_timeout, shared=self._shared_limit)
-        return pool.request("POST", call.path, self.headers(call.headers), call.body, timeout)
+        return pool.request(call.method, call.path, self.headers(call.headers), call.body, timeout)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -12,6 +12,8 @@ from gateway.contracts import LoadSample
 
 class SGLangBackend(OpenAIHTTPBackend):
     engine = "sglang"
+    apis = frozenset({"chat", "completions", "embeddings", "responses", "response", "response_cancel", "messages",
+                      "count_tokens", "rerank", "score", "transcriptions"})
     health_path = "/health"
     liveness_path = "/ping"  # always 200 once the server is up, even while starting: liveness, not readiness
     deep_probe_generates = True  # /health runs a one-token generation

@@ -5,6 +5,8 @@ from backends.openai_http import OpenAIHTTPBackend
 
 class VLLMBackend(OpenAIHTTPBackend):
     engine = "vllm"
+    apis = frozenset({"chat", "completions", "embeddings", "responses", "response", "response_cancel", "messages",
+                      "count_tokens", "rerank", "score", "transcriptions", "translations"})
     health_path = "/health"
     metrics_path = "/metrics"
     metric_names = {

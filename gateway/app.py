@@ -169,6 +169,7 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
     for b in g.pool.all():
         b.adapter.close()
     await session.close()
+    await g.stored.close()  # its last writes to Redis, within their timeout
 
 
 async def shared_limits(app: web.Application) -> AsyncIterator[None]:

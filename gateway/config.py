@@ -215,6 +215,9 @@ class StateConfig(Strict):
     affinity_max_entries: int = Field(100_000, ge=16)  # prefix blocks and sessions kept; least recent go first
     flush_interval_s: float = Field(0.5, gt=0)
     redis_timeout_s: float = Field(0.25, gt=0)  # one background Redis call; on timeout the state stays local
+    # Stored responses (Responses API): which backend holds each id and which key owns it, least recent first out.
+    stored_responses_max: int = Field(100_000, ge=16)
+    stored_response_ttl_s: float = Field(86_400.0, gt=0)  # kept this long after it was made (engines forget on restart)
 
 
 class MetricsConfig(Strict):

@@ -83,7 +83,7 @@ class ExperimentConfig(Strict):
 
 # What the support probe (gateway/fleet/probe_checks.py) tries on each backend, in this order.
 PROBE_CHECKS = ("answers", "chat", "completions", "stream", "stream_usage", "n", "tools", "json_schema",
-                "logprobs", "context")
+                "logprobs", "responses", "messages", "context")
 
 
 class ProbeConfig(Strict):

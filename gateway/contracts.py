@@ -13,8 +13,6 @@ DEFAULT: Final = "default"
 CLASSES: Final = (LONG_OUTPUT, LONG_PROMPT, INTERACTIVE, DEFAULT)
 
 # The engine path of each public route.
-PATHS: Final = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
-
 # Health states of a backend.
 STARTING: Final = "starting"
 READY: Final = "ready"
@@ -226,18 +224,21 @@ class Policy(Protocol):
 class UpstreamCall(Record):
     """One HTTP call to a backend: the body is already in the engine's dialect."""
 
-    FIELDS = ("path", "body", "headers", "stream")
+    FIELDS = ("path", "body", "headers", "stream", "method")
     __slots__ = FIELDS
     path: Final[str]
     body: Final[bytes]
     headers: Final[Mapping[str, str]]
     stream: Final[bool]
+    method: Final[str]
 
-    def __init__(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool) -> None:
+    def __init__(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool,
+                 method: str = "POST") -> None:
         self.path = path
         self.body = body
         self.headers = headers
         self.stream = stream
+        self.method = method
 
 
 class UpstreamReply(Protocol):

@@ -8,13 +8,17 @@ from typing import TYPE_CHECKING, Any, Final, Iterator
 
 import orjson
 
-from gateway.contracts import (PATHS, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
+from gateway.apis import messages
+from gateway.apis import responses as responses_api
+from gateway.apis.bodies import NO_BODY, parse_body
+from gateway.apis.table import ANTHROPIC, BY_RESPONSE_ID, response_id_in, route_not_served, upstream_path
+from gateway.contracts import (DEFAULT, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error, shutting_down,
                             upstream_failed, upstream_timeout)
 from gateway.experiments import experiment as experiments
 from gateway.experiments import shadow
-from gateway.http.headers import trace_headers, valid_request_id
+from gateway.http.headers import forwarded_headers, valid_request_id
 from gateway.routing.admission import admit
 from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, stream_status
 from gateway.routing.context import fitting
@@ -22,38 +26,23 @@ from gateway.routing.failover import (TRANSPORT_ERRORS, Retryable, begin, charge
                                       charge_send_error, charge_timeout, model_refused, settle)
 from gateway.routing.relay import DroppingModelRewrite, EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import Exchange, RequestState
-from gateway.routing.shape import classify, session_of
+from gateway.routing.shape import CHAT_FAMILY, classify, session_of
+from gateway.routing.stored import IdSink
+from gateway.routing.typed_relay import RULES, TypedRelay
+from gateway.routing.typed_relay import first_event_error as typed_first_error
 
 if TYPE_CHECKING:  # the runtime imports this module's callers, never this module: no cycle at run time
     from gateway.fleet.pool import BackendState
+    from gateway.keys.principal import Principal
     from gateway.runtime import Gateway
 
-REQUIRED: Final = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
-
-
-def parse_body(raw: bytes, route: str) -> dict[str, Any]:
-    """Parse once with orjson and check only what routing needs; everything else passes through."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"The request body is not valid JSON: {e}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("you must provide a model parameter", param="model", code="missing_required_parameter")
-    field = REQUIRED[route]
-    if field not in body:
-        raise bad_request(f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter")
-    if route == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
-        raise bad_request("'messages' must be a non-empty array.", param="messages", code="invalid_type")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean.", param="stream", code="invalid_type")
-    if "stream_options" in body and stream is not True and body["stream_options"] is not None:
-        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-    return body
-
+# Client headers passed on, per route, besides a valid trace context: (name as received, name sent).
+PASSED: Final = {"messages": (("anthropic-version", "anthropic-version"), ("anthropic-beta", "anthropic-beta")),
+                 "transcriptions": (("content-type", "Content-Type"),),
+                 "translations": (("content-type", "Content-Type"),)}
+PASSED["count_tokens"] = PASSED["messages"]
+# How engines answer a path they do not serve (FastAPI's and llama.cpp's 404 messages).
+UNKNOWN_PATH_MESSAGES: Final = frozenset({"not found", "file not found"})
 
 async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
     """An API request: request id first, then the pipeline (whose first steps, checking the API key and reading
@@ -75,6 +64,9 @@ async def serve_api(g: Gateway, ex: Exchange, route: str) -> Any:
         headers["x-shapegate-reason"] = st.reason or (err.code or "error")
         if st.limit is not None:  # a key with limits: its x-ratelimit headers on errors too
             headers.update(st.limit.headers())
+        if st.route in ANTHROPIC:  # Anthropic's error shape and status codes on its routes
+            status = messages.status_of(err)
+            return ex.reply(status, headers, messages.error_body(err, st.request_id))
         return ex.reply(status, headers, err.body())
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499  # the client went away first (noticed while waiting, or on writing to it)
@@ -87,33 +79,38 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     """The request path, one call per stage; what a stage decides is kept on the request's state here."""
     ex = st.ex
     headers = ex.headers
+    route = st.route
     st.principal = caller = g.auth.authenticate(headers)  # first: a request without a valid key is not read
     st.t_in = time.perf_counter()
     st.raw = raw = await ex.read()
-    st.body = body = parse_body(raw, st.route)
-    sid = session_of(body, headers)
+    if route in BY_RESPONSE_ID:
+        return await handle_stored(g, st, caller)
+    st.body = body = parse_body(raw, route, headers)
+    stored = None  # the stored response this one continues: its backend is the only one that knows it
+    if route == "responses" and body.get("previous_response_id") is not None:  # (null: none, as engines take it)
+        stored = await g.stored.owned(body["previous_response_id"], caller.id, "previous_response_id")
+    sid = session_of(body, headers, route)
     principal = caller.id
     hot = g.hot
-    st.shape = shape = classify(route=st.route, body=body, session=sid, principal=principal, cfg=hot.shape,
+    st.shape = shape = classify(route=route, body=body, session=sid, principal=principal, cfg=hot.shape,
                                 learned_output=g.estimator.expected(principal, body["model"]),
                                 session_in_flight=g.session_load(sid), want_prefix=g.wants_prefix)
-    now = time.monotonic()
-    plan = g.limiter.plan(caller, shape.model, hot.limits)  # None for a key without rate limits
-    if plan is not None:  # take from its buckets or raise a 429: at once from this process's, or through Redis
-        tokens = plan.tokens(shape, body)  # the prompt once, the output for each of `n` choices
-        if g.limiter.shared is None:
-            held = g.limiter.take(plan, tokens, now)
-        else:
-            held = await g.limiter.reserve(plan, tokens, hot.limits)
-            now = time.monotonic()
-        st.limit, st.limit_lines = held, held.lines
+    now = await take_limits(g, st, shape, caller)
     if not g.pool.serves(shape.model):
         raise model_not_found(shape.model)
     candidates = g.pool.candidates(shape.model, shape.klass, now)
+    if route not in CHAT_FAMILY:  # an engine that does not serve the API is no candidate for it
+        candidates = [b for b in candidates if b.serves_route(route)]
+        if not candidates and not g.pool.serving_route(shape.model, route):
+            raise route_not_served(shape.model, route)
+    if stored is not None:
+        candidates = [stored.backend_in(g.pool, now, body["previous_response_id"])]
     arm = choice = None
-    if g.experiments and shape.model in g.experiments.models:
+    if g.experiments and shape.model in g.experiments.models and stored is None:
         choice = experiments.enter(g.experiments, caller, shape, body, headers, candidates)
-        candidates, arm, st.split, st.shadow = choice.candidates, choice.arm, choice.split, choice.shadow
+        candidates, arm, st.split = choice.candidates, choice.arm, choice.split
+        if route in CHAT_FAMILY:  # (a shadow copy is compared as a chat stream: the other APIs are not copied)
+            st.shadow = choice.shadow
     if not candidates:
         raise g.pool.unavailable(shape.model, now)
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
@@ -125,11 +122,48 @@ async def handle(g: Gateway, st: RequestState) -> Any:
         g.metrics.affinity(affinity is not None)
     route_in = RouteInput(shape, tuple(b.view(now) for b in candidates), affinity, now, cached)
     decision = policy.rank(route_in) if arm is None else experiments.rank_arm_first(policy, route_in, arm)
+    if stored is not None:
+        decision = Decision(decision.ranked, "stored response")
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
-    if choice is not None and choice.shadow is not None:
+    if choice is not None and st.shadow is not None and choice.shadow is not None:
         st.tap = shadow.launch(g, *choice.shadow, st, shape, body, raw)  # starts once this request has gone out
     return await dispatch(g, st, shape, decision)
+
+
+async def take_limits(g: Gateway, st: RequestState, shape: RequestShape, caller: Principal) -> float:
+    """Take the request from its key's buckets or raise a 429: at once from this process's, or through Redis.
+    Returns the time routing goes on from."""
+    now = time.monotonic()
+    plan = g.limiter.plan(caller, shape.model, g.hot.limits)  # None for a key without rate limits
+    if plan is not None:
+        tokens = plan.tokens(shape, st.body)  # the prompt once, the output for each of `n` choices
+        if g.limiter.shared is None:
+            held = g.limiter.take(plan, tokens, now)
+        else:
+            held = await g.limiter.reserve(plan, tokens, g.hot.limits)
+            now = time.monotonic()
+        st.limit, st.limit_lines = held, held.lines
+    return now
+
+
+async def handle_stored(g: Gateway, st: RequestState, caller: Principal) -> Any:
+    """A GET, DELETE or cancel of a stored response: to the backend that made it, for the key that made it."""
+    ex = st.ex
+    rid = response_id_in(ex.target.partition("?")[0])
+    rec = await g.stored.owned(rid, caller.id, "response_id")
+    query = ex.target.partition("?")[2]
+    assert st.principal is not None
+    st.shape = shape = RequestShape(model=rec.model, route=st.route, stream="stream=true" in query, prompt_tokens=1,
+                                    output_tokens=0, klass=DEFAULT, principal=st.principal.id, session_id=None,
+                                    prefix_hashes=(), max_output=None)
+    now = await take_limits(g, st, shape, caller)
+    b = rec.backend_in(g.pool, now, rid)
+    if not b.serves_route(st.route):
+        raise GatewayError(404, f"The response '{rid}' was made on backend {b.id}, whose engine ({b.engine}) keeps "
+                           f"no responses to read back or cancel.", param="response_id", code="response_not_stored")
+    st.reason = "stored response"
+    return await dispatch(g, st, shape, Decision((b.view(now),), st.reason))
 
 
 async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: Decision) -> Any:
@@ -137,8 +171,11 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
     cfg = g.hot
     body, raw = st.body, st.raw
     headers = st.ex.headers
-    fwd = trace_headers(headers)  # only a valid trace context goes on; the request id was checked on arrival
+    # Only a valid trace context and the route's own checked headers go on; the request id was checked on arrival.
+    fwd = forwarded_headers(headers, PASSED.get(st.route, ()))
     fwd["x-request-id"] = st.request_id
+    path = upstream_path(st.route, st.ex.target)
+    method = st.ex.method if st.route == "response" else "POST"
     deadline = time.monotonic() + cfg.retry_deadline_s
     max_attempts = cfg.max_attempts
     # A stream's class deadline for the first byte; the last candidate always gets first_byte_timeout_s.
@@ -164,10 +201,11 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
             first_byte_s = min(class_ttft, first_byte_s)
         native = b.models[shape.model]
         try:
-            upstream_body = b.adapter.prepare(shape.route, body, raw, native, shape.stream)
+            upstream_body = raw if shape.route in NO_BODY else \
+                b.adapter.prepare(shape.route, body, raw, native, shape.stream)
         except orjson.JSONEncodeError:
             raise bad_request("The request body is nested too deeply to be passed on.", code="invalid_json") from None
-        call = UpstreamCall(PATHS[shape.route], upstream_body, fwd, shape.stream)
+        call = UpstreamCall(path, upstream_body, fwd, shape.stream, method)
         st.backend = b.id
         if failed and last_error is not None:
             st.reason = f"{decision.reason}; failover from {','.join(failed)} after {last_error.code}"
@@ -243,6 +281,11 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         status = reply.status
         if status >= 400:
             err = normalize_engine_error(status, await _read_quietly(reply, cfg.max_error_bytes))
+            if status == 404 and shape.route not in CHAT_FAMILY and shape.route not in BY_RESPONSE_ID \
+                    and err.message.strip().lower() in UNKNOWN_PATH_MESSAGES:
+                engine_ok = True  # a build without this API: the engine is sound, the route goes elsewhere
+                b.refused_route(shape.route, call.path, err.message)
+                raise Retryable(route_not_served(shape.model, shape.route))
             retry = charge_engine_error(b, err, reply.headers, cfg.health, shape.model)
             if retry is None:
                 engine_ok = True  # the engine answered properly; the request was at fault
@@ -275,6 +318,10 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             raise Retryable(upstream_failed("the engine sent an empty reply"))
         usage = usage_of(data)
         outcome_ok = True
+        if shape.route == "responses" and status == 200 and responses_api.stores(st.body):
+            g.stored.remember_reply(data, b.id, shape.principal, shape.model)
+        elif shape.route == "response" and st.ex.method == "DELETE" and status == 200:
+            g.stored.forget(response_id_in(st.ex.target.partition("?")[0]))
         if st.tap is not None:
             st.tap.add(data)
         if started > b.last_output:
@@ -324,7 +371,15 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
         raise Retryable(upstream_failed("the engine's reply broke before the first token"))
     if started > b.last_output:
         b.last_output = started
-    if first.startswith(ERROR_EVENT_STARTS):
+    typed = RULES.get(st.route)
+    if typed is not None:
+        err = typed_first_error(first)
+        if err is not None:
+            if err.status >= 500:
+                charge(b)
+                raise Retryable(err)
+            raise err
+    elif first.startswith(ERROR_EVENT_STARTS):
         # An engine that opened the stream before validating (SGLang): still an ordinary HTTP error here.
         err = first_event_error(first)
         if err is None:
@@ -334,12 +389,19 @@ async def stream_reply(g: Gateway, st: RequestState, b: BackendState, reply: Ups
             charge(b)
             raise Retryable(err)
         raise model_refused(b, err, st.shape.model if st.shape is not None else "") or err
-    opts = st.body.get("stream_options")
-    client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
     # The head goes out with the first events in one write (the first bytes are already here).
     resp = await ex.open_stream(g.reply_headers(st, reply.headers), st.limit_lines)
-    relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
-                     max_event=g.hot.max_event_bytes)
+    relay: SSERelay
+    if typed is not None:
+        stores = st.route == "responses" and responses_api.stores(st.body)
+        assert st.shape is not None
+        relay = TypedRelay(resp, meter, typed, rename, g.hot.max_event_bytes,
+                           IdSink(g.stored, b.id, st.shape.principal, st.shape.model) if stores else None)
+    else:
+        opts = st.body.get("stream_options")
+        client_wants_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        relay = SSERelay(resp, meter, strip_usage=not client_wants_usage, rename=rename,
+                         max_event=g.hot.max_event_bytes)
     task = asyncio.current_task()  # the connection's serving task
     assert task is not None  # always within one
     g.streams.add(task)

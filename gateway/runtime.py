@@ -15,6 +15,7 @@ from aiohttp import web
 import backends
 import policies
 from backends.slots import Slots
+from gateway.apis.table import GENERATING
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, Record, RequestShape
 from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
@@ -30,6 +31,7 @@ from gateway.observe.metrics import Metrics
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.context import PromptSizer
 from gateway.routing.request import ExperimentRef, RequestState
+from gateway.routing.stored import StoredResponses
 from gateway.stats.key_usage import KeyUsage
 from gateway.stats.merge import group_report
 from gateway.stats.rolling import OutputEstimator, Tally
@@ -55,6 +57,9 @@ def build_routing(cfg: GatewayConfig) -> tuple[Policy, dict[str, Policy]]:
     return (build_policy(r.policy, r.params),
             {name: build_policy(m.policy or r.policy, m.params) for name, m in r.models.items()})
 
+
+# Routes whose attempts teach a backend's latency model: the generating ones, and embeddings as before.
+LEARNED = GENERATING | {"embeddings"}
 
 class EndedAttempt(Record):
     """One attempt on a backend that ended, waiting for the record stage (Gateway.record_soon)."""
@@ -111,6 +116,11 @@ class Gateway:
         self.experiments_cache: tuple[tuple, float, dict] | None = None
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.limiter = self._limiter(cfg)
+        # Stored responses (Responses API): id -> the backend that made it and the key that owns it.
+        st = cfg.state
+        self.stored = StoredResponses(st.stored_responses_max, st.stored_response_ttl_s,
+                                      st.redis_url if st.backend == "redis" else None, st.key_prefix,
+                                      st.redis_timeout_s)
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
@@ -222,15 +232,16 @@ class Gateway:
         if self.hot.stats_enabled:
             now = time.monotonic()
             load = b.load
-            b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
-                            slots=load.total_slots if load is not None else None)
+            if shape.route in LEARNED:  # (a rerank or a stored response's GET says nothing of generation speed)
+                b.latency.learn(o, now, ready_since=b.health.changed_at, running_end=b.in_flight,
+                                slots=load.total_slots if load is not None else None)
             b.stats.add(o, now)
             self.key_usage.add(shape.principal, o, now)
             self.metrics.observe(b.id, shape.model, shape.klass, o.status, o.ttft, o.itl, o.e2e,
-                                 o.prompt_tokens, o.completion_tokens, t_upstream - t_in, o.result)
+                                 o.prompt_tokens, o.completion_tokens, t_upstream - t_in, o.result, shape.route)
         else:
             self.metrics.count(b.id, shape.model, shape.klass, o.status, o.prompt_tokens, o.completion_tokens,
-                               o.result)
+                               o.result, shape.route)
         if split is not None:  # the request was assigned an arm: the attempt counts for its backend's arm
             arm = split.arm_of(b.id)
             if arm is not None:
@@ -238,7 +249,7 @@ class Gateway:
                 self.metrics.experiment(split.name, arm, shape.klass, o)
         if self.affinity is not None and o.ok:
             self.affinity.record(shape, b.id)
-        if o.ok and shape.output_tokens and o.completion_tokens and shape.route != "embeddings":
+        if o.ok and shape.output_tokens and o.completion_tokens and shape.route in GENERATING:
             self.estimator.learn(shape.principal, shape.model, o.completion_tokens)
 
     def finish(self, st: RequestState, status: int) -> None:
@@ -251,7 +262,7 @@ class Gateway:
         if result == REJECTED:
             # A model label only for a model the gateway serves: a client's free text never becomes a series.
             model = shape.model if shape is not None and self.pool.serves(shape.model) else ""
-            self.metrics.refuse(status, model, klass)
+            self.metrics.refuse(status, model, klass, st.route)
             now = time.monotonic()
             self.tally.add(("rejected", klass), now)
             if st.principal is not None and self.hot.stats_enabled:
@@ -266,7 +277,8 @@ class Gateway:
             self.access_log.add(AccessEntry(time.time(), st.request_id,
                                             st.principal.id if st.principal is not None else None,
                                             st.shape, st.backend, st.reason, status, result, st.outcome,
-                                            x.name if x is not None else None, arm_of(st) if x is not None else None))
+                                            x.name if x is not None else None, arm_of(st) if x is not None else None,
+                                            st.route))
 
 
 # Where an app keeps its gateway (gateway/app.py puts it there; routes, ops and the CLI find it).

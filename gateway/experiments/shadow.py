@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from gateway.config import GatewayConfig, UpstreamConfig
-from gateway.contracts import (ENGINE_ERROR, PATHS, Outcome, Policy, RequestShape, RouteInput, UpstreamCall,
+from gateway.apis.table import UPSTREAM
+from gateway.contracts import (ENGINE_ERROR, Outcome, Policy, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
 from gateway.errors import upstream_failed, upstream_timeout
 from gateway.experiments.experiment import PRIMARY, Arm, Experiment
@@ -133,7 +134,7 @@ async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestSt
     data = b""  # the copy's reply, compared with the primary's
     try:
         upstream_body = b.adapter.prepare(shape.route, body, raw, b.models[shape.model], shape.stream)
-        call = UpstreamCall(PATHS[shape.route], upstream_body, fwd, shape.stream)
+        call = UpstreamCall(UPSTREAM[shape.route], upstream_body, fwd, shape.stream)
         o, data = await _measure(b, call, shape, cfg.upstream)
     except asyncio.CancelledError:
         tap.full = True  # shutting down: nothing to compare

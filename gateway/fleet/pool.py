@@ -36,6 +36,8 @@ class BackendState:
         self.lacks: dict[str, tuple[str, tuple[str, ...] | None, str]] = {}
         self._unlisted: dict[str, tuple[str, tuple[str, ...]]] = {}  # public -> (native, list) logged as missing
         self.list_due = True
+        # API routes its engine answered with a 404 for the path itself (a build that lacks them): route -> detail.
+        self.unserved: dict[str, str] = {}
         self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
@@ -139,6 +141,17 @@ class BackendState:
                          served.names(listed), public)
             elif then is None:
                 self.lacks[public] = (native, listed, self.lacks[public][2])  # known now, and still without it
+
+    def serves_route(self, route: str) -> bool:
+        """Whether the engine serves an API route: its adapter says so and it never answered it as an unknown path."""
+        return route in self.adapter.apis and route not in self.unserved
+
+    def refused_route(self, route: str, path: str, detail: str) -> None:
+        """The engine answered `path` as a path it does not know: the route goes elsewhere from now on."""
+        if route not in self.unserved:
+            self.unserved[route] = detail
+            log.warning("backend %s (%s at %s) does not serve %s (HTTP 404: %s); that route is not sent there any "
+                        "more", self.id, self.engine, self.cfg.url, path, served.excerpt(detail))
 
     def refused_model(self, public: str, detail: str) -> str:
         """The engine refused the configured name of `public` (model_not_found): no more requests for it here
@@ -247,6 +260,10 @@ class Pool:
             if b.usable(now) and (b.classes is None or klass in b.classes) and model not in b.unsupported:
                 out.append(b)
         return out
+
+    def serving_route(self, model: str, route: str) -> list[BackendState]:
+        """The backends of `model` whose engines serve `route`, usable now or not."""
+        return [b for b in self._by_model.get(model, ()) if b.serves_route(route)]
 
     def largest_window(self, model: str) -> int | None:
         """The largest context window among every backend of `model`, usable now or not (None: one is unknown)."""

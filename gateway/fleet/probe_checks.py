@@ -17,6 +17,7 @@ from gateway.errors import TOO_LONG_HINT
 YES, NO, ERROR, UNKNOWN = "yes", "no", "error", "unknown"
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 PROMPT = "Say hi."
 MAX_TOKENS = 8
 # A forced tool call or a schema-bound reply is a whole JSON object: it needs more room than 8 tokens to close.
@@ -386,6 +387,31 @@ async def check_context(t: Target) -> Cell:
     return Cell(NO, f"~{over} tokens served, past the window of {window} the engine reports", window)
 
 
+def _served(t: Target, route: str) -> None:
+    if route not in getattr(t.adapter, "apis", ()):
+        raise Verdict(NO, f"{getattr(t.adapter, 'engine', 'this engine')} does not serve it")
+
+
+async def check_responses(t: Target) -> Cell:
+    """The Responses API: a Response object with output."""
+    _served(t, "responses")
+    body = {"model": t.model, "input": PROMPT, "max_output_tokens": MAX_TOKENS, "temperature": 0, "store": False}
+    reply = await t.post(RESPONSES, body)
+    if reply.get("object") != "response" or not isinstance(reply.get("output"), list):
+        raise Verdict(NO, "the reply is not a Response object with output")
+    return Cell(YES)
+
+
+async def check_messages(t: Target) -> Cell:
+    """Anthropic's Messages API: a message with content."""
+    _served(t, "messages")
+    body = {"model": t.model, "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": PROMPT}]}
+    reply = await t.post(MESSAGES, body)
+    if reply.get("type") != "message" or not isinstance(reply.get("content"), list):
+        raise Verdict(NO, "the reply is not a message with content")
+    return Cell(YES)
+
+
 async def check_answers(adapter, timeout: float) -> tuple[Cell, bool]:
     """The engine's own health route (a model list for a plain OpenAI server); and whether it answered at all."""
     r = await adapter.probe(timeout, deep=True)
@@ -402,5 +428,5 @@ async def check_answers(adapter, timeout: float) -> tuple[Cell, bool]:
 MODEL_CHECKS: Mapping[str, Callable[[Target], Awaitable[Cell]]] = {
     "chat": check_chat, "completions": check_completions, "stream": check_stream,
     "stream_usage": check_stream_usage, "n": check_n, "tools": check_tools, "json_schema": check_json_schema,
-    "logprobs": check_logprobs, "context": check_context,
+    "logprobs": check_logprobs, "context": check_context, "responses": check_responses, "messages": check_messages,
 }

@@ -9,6 +9,7 @@ from typing import Final
 
 import httptools
 
+from gateway.apis.table import PATH_ROUTES, allowed, allows, route_of
 from gateway.errors import GatewayError, raised_at
 from gateway.http.exchange import INTERNAL_ERROR, FrontExchange, error_reply, too_large
 from gateway.http.headers import valid_request_id
@@ -20,7 +21,7 @@ log = logging.getLogger("shapegate")
 
 # POST on these paths goes to the API handler the application hands over (its pipeline); every other request is
 # served by aiohttp's routes (gateway/http/inner.py).
-API_ROUTES: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+API_ROUTES: Final = PATH_ROUTES  # the API routes with a fixed path (the stored-response ones take an id)
 PIPELINED_HIGH: Final = 1 << 20  # bytes of later requests buffered before reading pauses
 # What a connection is doing. IDLE: waiting for a request's first byte; HEAD, BODY: reading one; SERVING: the
 # request is read and its reply under way (later requests wait in the buffer); DRAIN: the reply is written
@@ -279,7 +280,7 @@ class FrontConnection(Wire):
         cfg = self.cfg
         cl = headers.get("content-length")
         ex = self.ex = FrontExchange(
-            self, self.method, API_ROUTES.get(target.partition("?")[0]), target, headers,
+            self, self.method, route_of(target.partition("?")[0]), target, headers,
             int(cl) if cl is not None else None, "transfer-encoding" in headers,
             self.keep_alive and not self.upgrade and not self.front.closing, version == "1.0",
             headers.get("expect", "").lower() == "100-continue", cfg.max_body_bytes)
@@ -336,13 +337,13 @@ class FrontConnection(Wire):
         """One request, answered however it ends; whether the connection then stays open for another."""
         front = self.front
         try:
-            if ex.route is not None and ex.method == "POST":
+            if ex.route is not None and allows(ex.route, ex.method):
                 await front.api(ex, ex.route)
             else:
                 rid = valid_request_id(ex.headers.get("x-request-id")) or front.request_id()
                 if ex.route is not None:
                     err = GatewayError(405, f"Method {ex.method} is not allowed on this route.",
-                                       code="method_not_allowed", headers={"Allow": "POST"})
+                                       code="method_not_allowed", headers={"Allow": allowed(ex.route)})
                     ex.reply(405, {"x-request-id": rid, **err.headers}, err.body())
                 else:
                     await front.inner.serve(ex, rid)

@@ -61,6 +61,20 @@ def trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+PASSED_VALUE_LIMIT = 1024  # a client header passed on by name (an API version, a form's content type)
+
+
+def forwarded_headers(headers: Mapping[str, str], names: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """The client's headers that go on to the engine: a valid trace context, and the named ones (lower-case name,
+    name sent) whose values are printable and short; any other value is dropped, never passed on."""
+    out = trace_headers(headers)
+    for name, sent in names:
+        v = headers.get(name)
+        if v is not None and len(v) <= PASSED_VALUE_LIMIT and safe_value(v):
+            out[sent] = v
+    return out
+
+
 def safe_value(value: str) -> bool:
     """A header value that can be written into a head as it is: no CR, LF, NUL or other control character
     (nor a tab: legal, but no engine header the gateway passes on needs one)."""

@@ -22,7 +22,7 @@ MAX_PLANS: Final = 4096  # plans cached, by key or by key and model (past this, 
 CHARGED: Final = (OK, CLIENT_LEFT)  # results whose usage a key is charged: served, or cut short by its client
 # The fields that cap a request's output (gateway/routing/shape.py's requested_output reads the first that is a
 # positive integer).
-OUTPUT_CAPS: Final = ("max_completion_tokens", "max_tokens", "n_predict")
+OUTPUT_CAPS: Final = ("max_completion_tokens", "max_tokens", "n_predict", "max_output_tokens")
 
 
 def bucket_name(kind: str, principal: str, model: str | None) -> str:

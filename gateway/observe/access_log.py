@@ -20,7 +20,7 @@ class AccessEntry(Record):
     """What a request's end leaves for its access-log line: made into JSON at the next flush (log_line)."""
 
     FIELDS = ("ts", "request_id", "principal", "shape", "backend", "reason", "status", "result", "outcome",
-              "experiment", "arm")
+              "experiment", "arm", "route")
     __slots__ = FIELDS
     ts: Final[float]  # wall clock, seconds
     request_id: Final[str]
@@ -33,10 +33,11 @@ class AccessEntry(Record):
     outcome: Final[Outcome | None]  # the last attempt's
     experiment: Final[str | None]
     arm: Final[str | None]
+    route: Final[str]  # the API route's name (gateway/apis/table.py)
 
     def __init__(self, ts: float, request_id: str, principal: str | None, shape: RequestShape | None,
                  backend: str, reason: str, status: int, result: str, outcome: Outcome | None,
-                 experiment: str | None, arm: str | None) -> None:
+                 experiment: str | None, arm: str | None, route: str = "chat") -> None:
         self.ts = ts
         self.request_id = request_id
         self.principal = principal
@@ -48,6 +49,7 @@ class AccessEntry(Record):
         self.outcome = outcome
         self.experiment = experiment
         self.arm = arm
+        self.route = route
 
 
 class AccessLog:
@@ -142,7 +144,8 @@ def log_line(e: AccessEntry) -> dict:
             status = o.status  # the stream had started (200 sent), then failed
         ttft, itl, e2e = _ms(o.ttft), _ms(o.itl), _ms(o.e2e)
         n_prompt, n_completion = o.prompt_tokens, o.completion_tokens
-    return {"ts": _thousandths(e.ts), "request_id": e.request_id, "principal": e.principal, "model": model,
+    return {"ts": _thousandths(e.ts), "request_id": e.request_id, "principal": e.principal, "route": e.route,
+            "model": model,
             "class": klass, "backend": e.backend or None, "reason": e.reason or None, "status": status,
             "outcome": e.result, "stream": stream, "ttft_ms": ttft, "itl_ms": itl, "e2e_ms": e2e,
             "prompt_tokens": n_prompt, "completion_tokens": n_completion, "experiment": e.experiment, "arm": e.arm}

@@ -154,7 +154,8 @@ class Metrics:
         # One per attempt on a backend, and one per request the gateway refused before trying any (backend "",
         # outcome "rejected"); outcome is one of gateway.contracts.RESULTS.
         self.requests = counter("shapegate_requests", "Attempts by backend, status and outcome, and refused "
-                                "requests", ["backend", "model", "class", "status", "outcome"])
+                                "requests, by the API route (chat, responses, messages, ...)", ["backend", "model", "class", "status", "outcome",
+                                                                  "route"])
         self.ttft = histogram("shapegate_ttft_seconds", "Time to first token measured by the gateway",
                               ["backend", "class"], TTFT_BUCKETS)
         self.itl = histogram("shapegate_itl_seconds", "Inter-token latency measured by the gateway",
@@ -233,21 +234,22 @@ class Metrics:
         self.failovers: dict[str, int] = {}  # per backend since start, for /stats (folded into its windows)
         self._affinity = (self.affinity_lookups.labels("miss"), self.affinity_lookups.labels("hit"))
 
-    def _request_children(self, backend: str, model: str, klass: str, status: int, result: str) -> tuple:
-        key = (backend, model, klass, status, result)
+    def _request_children(self, backend: str, model: str, klass: str, status: int, result: str,
+                          route: str) -> tuple:
+        key = (backend, model, klass, status, result, route)
         c = self._children.get(key)
         if c is None:
             c = self._children[key] = (
-                self.requests.labels(backend, model, klass, str(status), result), self.ttft.labels(backend, klass),
+                self.requests.labels(backend, model, klass, str(status), result, route), self.ttft.labels(backend, klass),
                 self.itl.labels(backend, klass), self.e2e.labels(backend, klass),
                 self.prompt_tokens.labels(backend), self.completion_tokens.labels(backend))
         return c
 
     def observe(self, backend: str, model: str, klass: str, status: int, ttft: float | None,
                 itl: float | None, e2e: float, prompt: int, completion: int, overhead: float,
-                result: str = OK) -> None:
+                result: str = OK, route: str = "chat") -> None:
         req, h_ttft, h_itl, h_e2e, c_prompt, c_completion = self._request_children(backend, model, klass, status,
-                                                                                   result)
+                                                                                   result, route)
         req.inc()
         if ttft is not None:
             h_ttft.observe(ttft)
@@ -261,9 +263,9 @@ class Metrics:
         self._overhead.observe(overhead)
 
     def count(self, backend: str, model: str, klass: str, status: int, prompt: int, completion: int,
-              result: str = OK) -> None:
+              result: str = OK, route: str = "chat") -> None:
         """observe() without the histograms: what stays on when stats upkeep is switched off."""
-        req, _, _, _, c_prompt, c_completion = self._request_children(backend, model, klass, status, result)
+        req, _, _, _, c_prompt, c_completion = self._request_children(backend, model, klass, status, result, route)
         req.inc()
         if prompt:
             c_prompt.inc(prompt)
@@ -328,11 +330,12 @@ class Metrics:
         """A request the front refused before it reached the gateway's pipeline (malformed, too large, too slow)."""
         self.rejected.labels(str(status)).inc()
 
-    def refuse(self, status: int, model: str, klass: str) -> None:
+    def refuse(self, status: int, model: str, klass: str, route: str = "chat") -> None:
         """A request refused before any backend was tried (admission, no backend, rate limit): `model` is a
-        served model or "" (never a client's free text), `klass` a request class or ""."""
+        served model or "" (never a client's free text), `klass` a request class or "", `route` an API route's
+        name (the server's table: never a client's text)."""
         self.rejected.labels(str(status)).inc()
-        self.requests.labels("", model, klass, str(status), REJECTED).inc()
+        self.requests.labels("", model, klass, str(status), REJECTED, route).inc()
 
     def experiment(self, name: str, arm: str, klass: str, o) -> None:
         self.exp_requests.labels(name, arm, klass, o.result).inc()

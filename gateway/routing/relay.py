@@ -403,15 +403,22 @@ class SSERelay:
 
 
 # One regex pass from the "usage" key on: it costs less than a find per count name, compiled or not.
-_USAGE_FIELDS: Final = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
+_USAGE_FIELDS: Final = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens|input_tokens|output_tokens|'
+                                  rb'cache_read_input_tokens)"\s*:\s*(\d+)')
+# The Responses and Messages APIs' names for the same counts.
+_USAGE_NAMES: Final = {"input_tokens": "prompt_tokens", "output_tokens": "completion_tokens",
+                       "cache_read_input_tokens": "cached_tokens"}
 
 
 def usage_of(data: bytes) -> dict | None:
-    """Token counts from a non-streamed reply without parsing the whole body (it may be large)."""
+    """Token counts from a non-streamed reply without parsing the whole body (it may be large), in chat's names."""
     i = data.rfind(b'"usage"')
     if i < 0:
         return None
-    found: dict[str, Any] = {k.decode(): int(v) for k, v in _USAGE_FIELDS.findall(data, i)}
+    found: dict[str, Any] = {}
+    for k, v in _USAGE_FIELDS.findall(data, i):
+        name = k.decode()
+        found[_USAGE_NAMES.get(name, name)] = int(v)  # the last of a repeated name, as a JSON parser takes it
     if not found:
         return None
     if "cached_tokens" in found:

@@ -22,6 +22,13 @@ class Exchange(Protocol):
     def headers(self) -> Mapping[str, str]:
         """The request's headers, names in lower case."""
 
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def target(self) -> str:
+        """The request target as sent: path and query string."""
+
     async def read(self) -> bytes:
         """The whole body; raises a GatewayError (413, 408) when it is too large or too slow to come."""
 
@@ -115,7 +122,7 @@ class RequestState:
     def __init__(self, request_id: str, ex: Exchange, route: str) -> None:
         self.request_id = request_id
         self.ex = ex
-        self.route = route  # "chat" | "completions" | "embeddings"
+        self.route = route  # a route name of gateway/apis/table.py: "chat", "responses", "messages", ...
         self.principal: Caller | None = None  # set once the API key is checked
         self.t_in = 0.0  # perf_counter when the pipeline took the request
         self.raw = b""  # the body as the client sent it

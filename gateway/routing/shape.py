@@ -7,12 +7,15 @@ from zlib import adler32, crc32
 
 import orjson
 
+from gateway.apis import bodies
+from gateway.apis.table import GENERATING
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT, RequestShape
 from gateway.errors import bad_request
 
 # English text averages about four characters per token across the common BPE vocabularies.
 CHARS_PER_TOKEN: Final = 4
+CHAT_FAMILY: Final = frozenset({"chat", "completions", "embeddings"})
 # Per-message template overhead (role markers, separators) in tokens, as chat templates render it.
 MESSAGE_OVERHEAD_TOKENS: Final = 4
 
@@ -52,6 +55,9 @@ def prompt_parts(route: str, body: Mapping[str, Any]) -> tuple[list[str], int]:
                 parts += ("<", _role_text(m.get("role", "")), ">", _content_text(m.get("content")))
                 n += 1
         return parts, n
+    other = bodies.prompt_parts(route, body)
+    if other is not None:
+        return other
     prompt = body.get("prompt") if route == "completions" else body.get("input")
     if isinstance(prompt, list):
         return [p for p in prompt if isinstance(p, str)], 0
@@ -101,7 +107,10 @@ def session_key(model: str, session: str) -> int:
     return ((crc32(data) & 0x7FFFFFFF) << 32) | adler32(data)
 
 
-def requested_output(body: Mapping[str, Any]) -> int | None:
+def requested_output(body: Mapping[str, Any], route: str = "chat") -> int | None:
+    asked = bodies.requested_output(route, body)
+    if asked is not False:  # (False: a chat-family route, read below)
+        return None if asked is True else asked
     for name in ("max_completion_tokens", "max_tokens", "n_predict"):
         v = body.get(name)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -109,10 +118,12 @@ def requested_output(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def session_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+def session_of(body: Mapping[str, Any], headers: Mapping[str, str], route: str = "chat") -> str | None:
     sid = headers.get("x-session-id")
     if sid:
         return sid
+    if route not in CHAT_FAMILY:
+        return bodies.session(route, body)
     for name in ("prompt_cache_key", "user"):
         v = body.get(name)
         if isinstance(v, str) and v:
@@ -126,20 +137,21 @@ def classify(*, route: str, body: Mapping[str, Any], session: str | None, princi
     """`session` is the request's session id (session_of), found once by the caller."""
     model = body["model"]
     stream = body.get("stream") is True
-    if want_prefix and route != "embeddings":
+    generates = route in GENERATING
+    if want_prefix and generates:
         text, n_messages = prompt_text(route, body)
         chars = len(text)
     else:  # only the size matters: the prompt is not copied into one string
         text, (chars, n_messages) = "", prompt_size(route, body)
     prompt_tokens = chars // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * n_messages + 1
-    asked = requested_output(body)
-    if route == "embeddings":
+    asked = requested_output(body, route) if generates else None
+    if not generates:
         output = 0
     elif asked is not None:
         output = asked
     else:
         output = int(learned_output) if learned_output else cfg.default_output_tokens
-    if route == "embeddings":
+    if not generates:
         klass = DEFAULT
     elif stream and session and session_in_flight == 0 and output < cfg.long_output_tokens:
         klass = INTERACTIVE
@@ -150,7 +162,7 @@ def classify(*, route: str, body: Mapping[str, Any], session: str | None, princi
     else:
         klass = DEFAULT
     hashes: tuple[int, ...] = ()
-    if want_prefix and route != "embeddings":
+    if want_prefix and generates:
         salt = body.get("cache_salt")
         hashes = prefix_hashes(model, salt if isinstance(salt, str) else "", text,
                                cfg.prefix_block_chars, cfg.max_prefix_blocks)

@@ -26,7 +26,7 @@ class FaultSpec:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
+            _check_type(f.name, getattr(self, f.name), str(f.type))
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError("error_rate must be within 0..1")
         if not 400 <= self.error_status <= 599:

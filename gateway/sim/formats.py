@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from gateway.sim import chat_tools
+from gateway.sim.forced import ToolCall
 from gateway.sim.tokens import EOS_ID, Output
 
 DONE = b"data: [DONE]\n\n"
@@ -36,6 +38,17 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     cached_tokens: int = 0
     timings: dict[str, float] | None = None
+    tool_call: ToolCall | None = None  # a function call the grammar forced
+    finish: str = ""  # finish_reason as reported (a forced call may turn "stop" into "tool_calls")
+
+    def __post_init__(self) -> None:
+        self.finish = self.finish or self.output.finish_reason
+
+    def piece(self, i: int) -> str | dict[str, Any]:
+        """What output token `i` adds to a chat delta: text, or a tool call delta."""
+        if self.tool_call is None:
+            return self.output.pieces[i]
+        return chat_tools.delta(self.tool_call, self.output.pieces[i], first=i == 0)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         usage: dict[str, Any] = {
@@ -86,13 +99,16 @@ class EngineFormat:
         return {"id": reply.rid, "object": obj, "created": reply.created, "model": reply.model,
                 "choices": choices}
 
-    def choice(self, reply: Reply, text: str | None, role: bool = False,
+    def choice(self, reply: Reply, text: str | dict[str, Any] | None, role: bool = False,
                finish: str | None = None) -> dict[str, Any]:
         extra = self.stop_fields(reply.output) if finish else {}
         if reply.kind == "text":
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish,
                     **({"stop_reason": None} if not finish else extra)}
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text}
+        if isinstance(text, dict):
+            delta: dict[str, Any] = text
+        else:
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
 
     def chunk(self, reply: Reply, choices: list[dict[str, Any]], generated: int) -> dict[str, Any]:
@@ -112,9 +128,10 @@ class EngineFormat:
         if start == 0 and reply.kind == "chat":
             events.append(self.chunk(reply, [self.choice(reply, self.first_content, role=True)], 0))
         for i in range(start, stop):
-            finish = reply.output.finish_reason if last and i == stop - 1 else None
+            finish = reply.finish if last and i == stop - 1 else None
             if pieces[i] or finish:
-                events.append(self.chunk(reply, [self.choice(reply, pieces[i], finish=finish)], i + 1))
+                events.append(self.chunk(reply, [self.choice(reply, reply.piece(i), finish=finish)],
+                                         i + 1))
         if last and events and not reply.include_usage:
             events[-1].update(self.fingerprint_field())
         return events
@@ -132,7 +149,7 @@ class EngineFormat:
 
     def content_template(self, reply: Reply) -> tuple[bytes, bytes] | None:
         """Bytes around a token's JSON string in a plain content chunk, for the fast path."""
-        if reply.continuous_usage:
+        if reply.continuous_usage or reply.tool_call is not None:
             return None
         raw = sse(self.chunk(reply, [self.choice(reply, _SENTINEL)], 0))
         head, _, tail = raw.partition(orjson.dumps(_SENTINEL))
@@ -143,11 +160,17 @@ class EngineFormat:
         return {"role": "assistant", "content": content, "refusal": None, "annotations": None,
                 "audio": None, "function_call": None, "tool_calls": [], "reasoning": None}
 
+    def chat_message(self, reply: Reply) -> dict[str, Any]:
+        message = self.message(reply.output.text)
+        if reply.tool_call is not None:
+            message.update(chat_tools.message_fields(self.engine, reply.tool_call))
+        return message
+
     def response(self, reply: Reply, generated: int) -> dict[str, Any]:
         out = reply.output
-        finish = {"finish_reason": out.finish_reason, **self.stop_fields(out)}
+        finish = {"finish_reason": reply.finish, **self.stop_fields(out)}
         if reply.kind == "chat":
-            choice = {"index": 0, "message": self.message(out.text), "logprobs": None, **finish}
+            choice = {"index": 0, "message": self.chat_message(reply), "logprobs": None, **finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, **finish,
@@ -186,13 +209,15 @@ class SglangFormat(EngineFormat):
     def envelope(self, reply: Reply, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**super().envelope(reply, choices), "usage": None}
 
-    def choice(self, reply: Reply, text: str | None, role: bool = False,
+    def choice(self, reply: Reply, text: str | dict[str, Any] | None, role: bool = False,
                finish: str | None = None) -> dict[str, Any]:
         stop = self.stop_fields(reply.output) if finish else {"matched_stop": None}
         if reply.kind == "text":
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, **stop}
-        if finish and text is None:
-            delta: dict[str, Any] = {}
+        if isinstance(text, dict):
+            delta: dict[str, Any] = text
+        elif finish and text is None:
+            delta = {}
         else:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **stop}
@@ -205,9 +230,9 @@ class SglangFormat(EngineFormat):
             events.append(self.chunk(reply, [self.choice(reply, "", role=True)], 0))
         for i in range(start, stop):
             if reply.output.pieces[i]:
-                events.append(self.chunk(reply, [self.choice(reply, reply.output.pieces[i])], i + 1))
+                events.append(self.chunk(reply, [self.choice(reply, reply.piece(i))], i + 1))
         if last:
-            finish = self.choice(reply, None, finish=reply.output.finish_reason)
+            finish = self.choice(reply, None, finish=reply.finish)
             events.append(self.chunk(reply, [finish], stop))
         return events
 
@@ -217,9 +242,9 @@ class SglangFormat(EngineFormat):
 
     def response(self, reply: Reply, generated: int) -> dict[str, Any]:
         out = reply.output
-        finish = {"finish_reason": out.finish_reason, **self.stop_fields(out)}
+        finish = {"finish_reason": reply.finish, **self.stop_fields(out)}
         if reply.kind == "chat":
-            choice = {"index": 0, "message": self.message(out.text), "logprobs": None, **finish}
+            choice = {"index": 0, "message": self.chat_message(reply), "logprobs": None, **finish}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, **finish}
         usage = reply.usage(generated)
@@ -262,12 +287,14 @@ class LlamaFormat(EngineFormat):
         return {"choices": choices, "created": reply.created, "id": reply.rid,
                 "model": reply.model, "system_fingerprint": self.fingerprint, "object": obj}
 
-    def choice(self, reply: Reply, text: str | None, role: bool = False,
+    def choice(self, reply: Reply, text: str | dict[str, Any] | None, role: bool = False,
                finish: str | None = None) -> dict[str, Any]:
         if reply.kind == "text":
             return {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
-        if finish:
-            delta: dict[str, Any] = {}
+        if isinstance(text, dict):
+            delta: dict[str, Any] = text
+        elif finish:
+            delta = {}
         else:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
         return {"finish_reason": finish, "index": 0, "delta": delta}
@@ -278,9 +305,9 @@ class LlamaFormat(EngineFormat):
             events.append(self.chunk(reply, [self.choice(reply, None, role=True)], 0))
         for i in range(start, stop):
             if reply.output.pieces[i]:
-                events.append(self.chunk(reply, [self.choice(reply, reply.output.pieces[i])], i + 1))
+                events.append(self.chunk(reply, [self.choice(reply, reply.piece(i))], i + 1))
         if last:
-            event = self.chunk(reply, [self.choice(reply, None, finish=reply.output.finish_reason)], stop)
+            event = self.chunk(reply, [self.choice(reply, None, finish=reply.finish)], stop)
             if reply.kind == "text":
                 # /v1/completions: usage and timings on the finish chunk, asked for or not
                 event["usage"] = self.usage(reply, stop)
@@ -306,11 +333,12 @@ class LlamaFormat(EngineFormat):
     def response(self, reply: Reply, generated: int) -> dict[str, Any]:
         out = reply.output
         if reply.kind == "chat":
-            choice: dict[str, Any] = {"finish_reason": out.finish_reason, "index": 0,
-                                      "message": {"role": "assistant", "content": out.text}}
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            if reply.tool_call is not None:
+                message.update(chat_tools.message_fields(self.engine, reply.tool_call))
+            choice: dict[str, Any] = {"finish_reason": reply.finish, "index": 0, "message": message}
         else:
-            choice = {"text": out.text, "index": 0, "logprobs": None,
-                      "finish_reason": out.finish_reason}
+            choice = {"text": out.text, "index": 0, "logprobs": None, "finish_reason": reply.finish}
         usage = reply.usage(generated)
         usage["prompt_tokens_details"] = {"cached_tokens": reply.cached_tokens}
         return {"choices": [choice], "created": reply.created, "model": reply.model,

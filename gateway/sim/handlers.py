@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from gateway.sim import chat_tools
 from gateway.sim.engine import Ticket
 from gateway.sim.formats import DONE, Reply, sse
 from gateway.sim.parse import ApiError, GenRequest, check_model, parse_generation
@@ -22,7 +24,7 @@ def error_response(st: SimState, err: ApiError, headers: dict[str, str] | None =
                         content_type="application/json", headers=headers)
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
+async def read_json(request: web.Request) -> dict[str, Any]:
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
@@ -32,8 +34,11 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def _apply_entry_faults(st: SimState) -> web.Response | None:
-    """Hang before the first byte, then maybe answer with the injected error status."""
+ErrorRender = Callable[[SimState, ApiError, "dict[str, str] | None"], web.Response]
+
+
+async def apply_entry_faults(st: SimState, render: ErrorRender = error_response) -> web.Response | None:
+    """Hang before the first byte, then maybe answer with the injected error status (in `render`'s shape)."""
     spec = st.faults.spec
     if spec.hang_s < 0:
         await asyncio.Event().wait()  # until the client gives up and the handler is cancelled
@@ -45,8 +50,7 @@ async def _apply_entry_faults(st: SimState) -> web.Response | None:
     headers = {}
     if st.faults.spec.retry_after_s is not None:
         headers["Retry-After"] = str(int(round(st.faults.spec.retry_after_s)))
-    return error_response(st, ApiError(status, "Simulated fault injected by the engine simulator"),
-                          headers)
+    return render(st, ApiError(status, "Simulated fault injected by the engine simulator"), headers)
 
 
 def make_chat_handler(kind: str):
@@ -55,11 +59,11 @@ def make_chat_handler(kind: str):
         await st.ready.wait()  # SGLang takes requests during warm-up and serves them after it
         st.inflight += 1
         try:
-            injected = await _apply_entry_faults(st)
+            injected = await apply_entry_faults(st)
             if injected is not None:
                 return injected
             try:
-                gen = parse_generation(st.parse_ctx, kind, await _read_json(request))
+                gen = parse_generation(st.parse_ctx, kind, await read_json(request))
             except ApiError as err:
                 return error_response(st, err)
             if gen.inband_error is not None:
@@ -72,13 +76,13 @@ def make_chat_handler(kind: str):
 
 
 async def _inband_error(request: web.Request, st: SimState, err: ApiError) -> web.StreamResponse:
-    resp = _stream_response(st)
+    resp = stream_response(st)
     await resp.prepare(request)
     await resp.write(sse(st.fmt.stream_error(err.status, err.message, err.type_)) + DONE)
     return resp
 
 
-def _stream_response(st: SimState) -> web.StreamResponse:
+def stream_response(st: SimState) -> web.StreamResponse:
     # No Nagle delay to fight: aiohttp sets TCP_NODELAY on every accepted socket
     # (BaseProtocol.connection_made), so each step's chunk leaves as soon as it is written.
     headers = {"Content-Type": st.fmt.sse_content_type, "Cache-Control": "no-cache"}
@@ -95,7 +99,11 @@ async def _serve(request: web.Request, st: SimState, gen: GenRequest) -> web.Str
                      output_ids=gen.output.ids, slot_hint=gen.slot_hint,
                      cache_prompt=gen.cache_prompt, finish_reason=gen.output.finish_reason)
     reply = Reply(gen.kind, gen.model, gen.output, len(gen.tokens), gen.include_usage,
-                  gen.continuous_usage, st.opts.report_cached_tokens, st.fmt.new_id(gen.kind))
+                  gen.continuous_usage, st.opts.report_cached_tokens, st.fmt.new_id(gen.kind),
+                  tool_call=gen.tool_call)
+    if gen.tool_call is not None:
+        reply.finish = chat_tools.finish_reason(st.engine_name, gen.output.finish_reason,
+                                                gen.named_tool)
     ticket = st.engine.submit(req)
     try:
         if gen.stream:
@@ -127,7 +135,7 @@ def _finish_reply(st: SimState, reply: Reply, req: SimRequest) -> None:
         }
 
 
-class _StreamFaults:
+class StreamFaults:
     """Counts SSE events against the drop / mid-stream-error knobs captured at request start."""
 
     def __init__(self, st: SimState) -> None:
@@ -154,8 +162,8 @@ async def _stream(request: web.Request, st: SimState, ticket: Ticket,
     fmt = st.fmt
     req = ticket.req
     total = req.max_new
-    resp = _stream_response(st)
-    faults = _StreamFaults(st)
+    resp = stream_response(st)
+    faults = StreamFaults(st)
     template = fmt.content_template(reply)
     try:
         if fmt.stream_opens_early:
@@ -212,11 +220,11 @@ async def _end_with_fault(request: web.Request, resp: web.StreamResponse, st: Si
 async def embeddings(request: web.Request) -> web.Response:
     st = request.app[SIM]
     await st.ready.wait()
-    injected = await _apply_entry_faults(st)
+    injected = await apply_entry_faults(st)
     if injected is not None:
         return injected
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
         model = check_model(st.parse_ctx, body)
         inputs = _embedding_inputs(body.get("input"))
     except ApiError as err:

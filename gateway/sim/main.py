@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length override (llama.cpp: per slot)")
     parser.add_argument("--report-cached-tokens", action="store_true",
                         help="usage.prompt_tokens_details.cached_tokens (vLLM/SGLang opt-in flag)")
+    parser.add_argument("--responses-store", dest="responses_store", default=None,
+                        action=argparse.BooleanOptionalAction,
+                        help="keep `store: true` Responses-API responses (default: the engine's own: "
+                             "vLLM off, as without VLLM_ENABLE_RESPONSES_API_STORE=1; SGLang on)")
     faults = parser.add_argument_group("fault knobs (also at run time: POST /sim/faults)")
     faults.add_argument("--fault-error-rate", type=float, default=0.0, metavar="P")
     faults.add_argument("--fault-error-status", type=int, default=500, metavar="STATUS")
@@ -73,7 +77,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         engine=args.engine, model=args.model, profile=args.profile, slots=args.slots,
         seed=args.seed, host=args.host, port=args.port, warmup_s=args.warmup, faults=faults,
         served_model_names=tuple(args.aliases), max_model_len=args.max_model_len,
-        report_cached_tokens=args.report_cached_tokens)
+        report_cached_tokens=args.report_cached_tokens, responses_store=args.responses_store)
     opts.resolve_profile()
     return opts
 

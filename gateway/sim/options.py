@@ -24,6 +24,9 @@ class SimOptions:
     served_model_names: tuple[str, ...] = ()  # extra names the engine answers to
     max_model_len: int | None = None  # override the context length (llama.cpp: per slot)
     report_cached_tokens: bool = False  # vLLM --enable-prompt-tokens-details / SGLang --enable-cache-report
+    # Responses API `store`: None is the engine's default (vLLM off unless VLLM_ENABLE_RESPONSES_API_STORE=1,
+    # SGLang on); llama-server stores nothing either way.
+    responses_store: bool | None = None
 
     def resolve_profile(self) -> Profile:
         """The profile these options run, with the slot and context overrides applied."""

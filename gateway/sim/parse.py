@@ -5,21 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.sim import forced
+from gateway.sim.errors import ApiError
 from gateway.sim.profiles import Profile
 from gateway.sim.tokens import Output, encode, generate, render_chat
-
-
-class ApiError(Exception):
-    """A request the engine refuses: status, message and the engine's error type/param."""
-
-    def __init__(self, status: int, message: str, type_: str | None = None,
-                 param: str | None = None, **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type_ = type_
-        self.param = param
-        self.extra = extra
 
 
 @dataclass
@@ -36,6 +25,8 @@ class GenRequest:
     slot_hint: int = -1
     cache_prompt: bool = True
     inband_error: ApiError | None = None  # SGLang: reported inside a 200 stream
+    tool_call: forced.ToolCall | None = None  # when the grammar forced a function call
+    named_tool: bool = False  # the call was forced by name, not by "required"
 
 
 @dataclass(frozen=True)
@@ -91,19 +82,20 @@ def _stream_flags(ctx: ParseContext, body: dict[str, Any]) -> tuple[bool, bool, 
             raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                            param="stream_options")
         # vLLM 0.32: `stream_options: {}` alone sends no usage, and continuous stats need include_usage too.
-        include = bool(options.get("include_usage", False)) if options else False
+        options = options or {}
+        include = bool(options.get("include_usage", False))
         continuous = include and bool(options.get("continuous_usage_stats", False))
         return stream, include, continuous
     include = bool(options.get("include_usage", False)) if options else False
     return stream, include, False
 
 
-def _prompt_tokens(kind: str, body: dict[str, Any]) -> list[int]:
+def _prompt_tokens(kind: str, body: dict[str, Any], tools: str = "") -> list[int]:
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "'messages' must be a non-empty list of objects", param="messages")
-        return encode(render_chat(messages, bool(body.get("add_generation_prompt", True))))
+        return encode(render_chat(messages, bool(body.get("add_generation_prompt", True)), tools))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -115,7 +107,7 @@ def _prompt_tokens(kind: str, body: dict[str, Any]) -> list[int]:
                         "(the simulator serves one prompt per request)", param="prompt")
 
 
-def _context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError | None:
+def context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError | None:
     p = ctx.profile
     if ctx.engine == "llamacpp":
         n_ctx = p.slot_ctx()
@@ -169,8 +161,10 @@ def parse_generation(ctx: ParseContext, kind: str, body: dict[str, Any]) -> GenR
     if n not in (1, None):
         raise ApiError(400, "the simulator serves n=1 only", param="n")
     limit = _limit(ctx, body)
-    tokens = _prompt_tokens(kind, body)
-    error = _context_error(ctx, len(tokens), limit)
+    tools = forced.chat_tools(body) if kind == "chat" else []
+    constraint = forced.chat_constraint(ctx.engine, body, tools) if kind == "chat" else None
+    tokens = _prompt_tokens(kind, body, forced.tools_text(tools))
+    error = context_error(ctx, len(tokens), limit)
     inband = None
     if error is not None:
         if not (ctx.engine == "sglang" and stream):
@@ -181,7 +175,11 @@ def parse_generation(ctx: ParseContext, kind: str, body: dict[str, Any]) -> GenR
     cap = min(limit, room) if limit is not None else room
     seed = _int_field(body, "seed") or 0
     output = generate(ctx.seed, tokens, cap, bool(body.get("ignore_eos", False)), _stops(body), seed)
+    call = None
+    if constraint is not None:
+        output, call = forced.realize(constraint, ctx.engine, "chat", ctx.seed, tokens, cap, seed)
     slot = _int_field(body, "id_slot") if ctx.engine == "llamacpp" else None
     return GenRequest(kind, model, stream, include_usage, continuous, tokens, output,
                       slot_hint=slot if slot is not None else -1,
-                      cache_prompt=bool(body.get("cache_prompt", True)), inband_error=inband)
+                      cache_prompt=bool(body.get("cache_prompt", True)), inband_error=inband,
+                      tool_call=call, named_tool=bool(constraint and constraint.named))

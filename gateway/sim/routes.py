@@ -242,12 +242,13 @@ async def llama_slots(request: web.Request) -> web.Response:
     slots = []
     for i, owner in enumerate(owners):
         busy = owner is not None
+        n_remain = owner.max_new - owner.generated if owner is not None else -1
+        n_decoded = owner.generated if owner is not None else 0
         slots.append({
             "id": i, "id_task": id(owner) % 1_000_000 if busy else -1, "n_ctx": n_ctx,
             "speculative": False, "is_processing": busy, "params": _slot_params(st),
             "next_token": [{"has_next_token": busy, "has_new_line": False,
-                            "n_remain": owner.max_new - owner.generated if busy else -1,
-                            "n_decoded": owner.generated if busy else 0, "stopping_word": ""}],
+                            "n_remain": n_remain, "n_decoded": n_decoded, "stopping_word": ""}],
         })
     return _json(slots)
 

@@ -183,9 +183,10 @@ class Scheduler:
             budget -= n
         hits = queried = 0
         while budget > 0:
-            req = self._admit_next(now)
-            if req is None:
+            admitted = self._admit_next(now)
+            if admitted is None:
                 break
+            req = admitted
             n = min(req.prompt_len - req.prefilled, budget)
             chunks.append((req, n))
             budget -= n

@@ -15,6 +15,7 @@ from gateway.sim.options import SimOptions
 from gateway.sim.parse import ParseContext
 from gateway.sim.profiles import Profile
 from gateway.sim.scheduler import Scheduler
+from gateway.sim.store import ResponseStore
 from gateway.sim.telemetry import Telemetry
 
 
@@ -33,10 +34,20 @@ class SimState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     inflight: int = 0  # HTTP requests inside an inference handler (vLLM's server_load)
     started_unix: float = field(default_factory=time.time)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored Responses-API objects
 
     @property
     def engine_name(self) -> str:
         return self.opts.engine
+
+    @property
+    def stores_responses(self) -> bool:
+        """Whether `store: true` keeps responses: SGLang always, vLLM only when enabled, llama.cpp never."""
+        if self.opts.engine == "llamacpp":
+            return False
+        if self.opts.responses_store is not None:
+            return self.opts.responses_store
+        return self.opts.engine == "sglang"
 
     @property
     def model(self) -> str:

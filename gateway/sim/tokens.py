@@ -40,6 +40,29 @@ def encode(text: str) -> list[int]:
     return out
 
 
+def split_pieces(text: str) -> list[str]:
+    """A text cut the way `encode` cuts it: one piece per token."""
+    return _PIECE.findall(text)
+
+
+def fixed_output(text: str, limit: int) -> Output:
+    """Output that spells a given text (a tool call's arguments, a JSON answer), cut at `limit` tokens.
+
+    A cut text ends with "length", as a real engine's constrained decoding does when max_tokens runs out.
+    """
+    pieces = split_pieces(text) or [""]
+    reason = "stop"
+    if len(pieces) > limit:
+        pieces, reason = pieces[:max(limit, 1)], "length"
+    ids = tuple(zlib.crc32(p.encode()) % 151_643 for p in pieces)
+    return Output(tuple(pieces), ids, reason, None)
+
+
+def words(rng: random.Random, n: int) -> str:
+    """`n` words of the output vocabulary, space separated."""
+    return " ".join(_WORDS[rng.randrange(len(_WORDS))] for _ in range(n))
+
+
 def message_text(content: Any) -> str:
     """A message's text: a string, or the text parts of a content list (other parts count as a marker)."""
     if content is None:
@@ -57,9 +80,10 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
-def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The fixed ChatML-like template every simulated engine applies to chat messages."""
-    out = []
+def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: str = "") -> str:
+    """The fixed ChatML-like template every simulated engine applies to chat messages (and tools)."""
+    out = [f"{IM_START}tools\n{tools}{IM_END}\n"] if tools else []
     for msg in messages:
         role = str(msg.get("role", "user"))
         out.append(f"{IM_START}{role}\n{message_text(msg.get('content'))}{IM_END}\n")

@@ -26,6 +26,8 @@ LAUNCH_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
+    # Stored responses (the Responses API's `store`, previous_response_id, GET by id): off unless switched on.
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",
 }
 
 

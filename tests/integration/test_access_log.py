@@ -15,7 +15,7 @@ from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config
 from tests.procs import ROOT, to_toml
 
-FIELDS = {"ts", "request_id", "principal", "model", "class", "backend", "reason", "status", "outcome", "stream",
+FIELDS = {"ts", "request_id", "principal", "route", "model", "class", "backend", "reason", "status", "outcome", "stream",
           "ttft_ms", "itl_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "experiment", "arm"}
 
 
@@ -80,6 +80,7 @@ async def test_one_line_per_request_with_its_outcome(tmp_path):
     assert len(by_id) == len(lines) == 7  # exactly one line each, failovers included
     assert all(set(x) == FIELDS for x in lines)
     assert all(x["principal"] == "user" for x in lines)
+    assert {x["route"] for x in lines} == {"chat"}
     times = [x[k] for x in lines for k in ("ts", "ttft_ms", "itl_ms", "e2e_ms") if x[k] is not None]
     assert all(len(repr(t).partition(".")[2]) <= 3 for t in times)  # milliseconds to 3 decimals (microseconds)
     assert all(abs(x["ts"] - time.time()) < 60 for x in lines)

@@ -18,10 +18,12 @@ from tests.procs import shapegate, write_config
 from tests.raw_engine import MiB, RawEngine, bad_chunk, head
 
 OPEN = {"auth": {"enabled": False}}
-# What the simulator does with each check (its real behaviour: it serves n=1 only, and ignores tools,
-# response_format and logprobs); its tiny profiles hold 4,096 tokens, llama.cpp's 2,048 per slot.
+# What the simulator does with each check (its real behaviour: it serves n=1 only, forces tool calls and schemas,
+# gives no logprobs, and its SGLang serves no Messages API); its tiny profiles hold 4,096 tokens, llama.cpp's 2,048
+# per slot.
 SIM_VERDICTS = {"answers": "yes", "chat": "yes", "completions": "yes", "stream": "yes", "stream_usage": "yes",
-                "n": "no", "tools": "no", "json_schema": "no", "logprobs": "no", "context": "yes"}
+                "n": "no", "tools": "yes", "json_schema": "yes", "logprobs": "no", "responses": "yes",
+                "messages": "yes", "context": "yes"}
 SIM_WINDOWS = {"vllm": 4096, "sglang": 4096, "llamacpp": 2048}
 
 
@@ -57,13 +59,14 @@ async def test_json_matrix_of_a_simulator_portfolio(sims, tmp_path):
         ("m", "sim-model", "sim-v", "vllm"), ("m", "sim-model", "sim-s", "sglang"),
         ("m", "any-name", "sim-l", "llamacpp"), ("ghost", "ghost", "sim-v", "vllm")]
     for row in rows[:3]:
-        assert verdicts(row) == SIM_VERDICTS, row
+        expected = {**SIM_VERDICTS, "messages": "no"} if row["engine"] == "sglang" else SIM_VERDICTS
+        assert verdicts(row) == expected, row
         checks = row["checks"]
         assert set(checks["chat"]) == {"verdict", "reason"} and checks["chat"]["reason"] == ""
         assert checks["n"]["reason"] == "HTTP 400: the simulator serves n=1 only"
-        assert checks["tools"]["reason"] == "no tool_calls in reply"
-        assert checks["json_schema"]["reason"].startswith("content is not JSON: ")
         assert checks["logprobs"]["reason"] == "no logprobs content in the reply"
+        if row["engine"] == "sglang":
+            assert checks["messages"]["reason"].startswith("HTTP 404")
         assert checks["context"]["window"] == SIM_WINDOWS[row["engine"]]
         assert "refused as too long" in checks["context"]["reason"]
     ghost = rows[3]["checks"]
@@ -81,7 +84,7 @@ async def test_table_and_exit_status_follow_the_required_checks(sims, tmp_path):
     lines = out.splitlines()
     assert lines[0].split() == ["model", "backend", "engine", *CHECKS]
     assert lines[1].split() == ["m", "(sim-model)", "sim-v", "vllm", "yes", "yes", "yes", "yes", "yes", "no",
-                                "no", "no", "no", "4096"]
+                                "yes", "yes", "no", "yes", "yes", "4096"]
     assert lines[3].split()[-1] == "2048"
     assert "  m @ sim-v: n: no (HTTP 400: the simulator serves n=1 only)" in lines
     assert lines[-1] == "required (chat, stream, stream_usage, context): passed on all 3 model-backend pairs"
@@ -184,8 +187,8 @@ async def test_hostile_engines_give_errors_within_the_timeout(tmp_path):
     assert rows["rude"]["chat"] == {"verdict": "no",
                                     "reason": "HTTP 400: ?[31mno? entry for key <key> X-Injected: 1"}
     assert SECRET not in out + table and "\x1b" not in table and "\x07" not in table
-    assert "  m @ rude: chat, completions, stream, stream_usage, n, tools, json_schema, logprobs: no (HTTP 400: " \
-           "?[31mno? entry for key <key> X-Injected: 1)" in table.splitlines()
+    assert "  m @ rude: chat, completions, stream, stream_usage, n, tools, json_schema, logprobs, responses, " \
+           "messages: no (HTTP 400: ?[31mno? entry for key <key> X-Injected: 1)" in table.splitlines()
 
 
 # -- [probe] at_start --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Fixtures of the simulator tests: engines on loopback and an HTTP session."""
+"""Fixtures of the simulator tests: engines on loopback, an HTTP session and official SDK clients."""
 
 from __future__ import annotations
 
@@ -35,3 +35,36 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                      timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
+
+
+@pytest.fixture
+async def sdk() -> AsyncIterator[Callable[..., Any]]:
+    """Official SDK clients bound to a simulated engine (`sdk("openai", server)`), closed after the test.
+
+    No retries, so that every error shows; no kept-alive connections, like the `http` fixture.
+    """
+    try:
+        import httpx2 as httpx  # what the installed SDKs are built on
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+
+    clients: list[Any] = []
+
+    def make(kind: str, server: SimServer) -> Any:
+        limits = httpx.Limits(max_keepalive_connections=0)
+        if kind == "openai":
+            import openai
+            client: Any = openai.AsyncOpenAI(
+                base_url=server.url + "/v1", api_key="sim-key", max_retries=0,
+                http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+        else:
+            import anthropic
+            client = anthropic.AsyncAnthropic(
+                base_url=server.url, api_key="sim-key", max_retries=0,
+                http_client=anthropic.DefaultAsyncHttpxClient(limits=limits))
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()

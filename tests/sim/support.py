@@ -55,3 +55,17 @@ def sample(families: dict[str, Any], family: str, sample_name: str | None = None
                 s.labels.get(k) == v for k, v in labels.items()):
             return s.value
     raise KeyError(f"{family} {sample_name} {labels}")
+
+
+async def read_events(resp: aiohttp.ClientResponse) -> list[tuple[str | None, Any]]:
+    """(event name, decoded data) pairs of an SSE body with `event:` lines (Responses, Messages)."""
+    out: list[tuple[str | None, Any]] = []
+    name = None
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            out.append((name, orjson.loads(line[len("data: "):])))
+            name = None
+    return out

@@ -35,7 +35,7 @@ async def test_attempts_ended_in_one_turn_are_recorded_at_its_end():
     assert b.latency.samples == 0  # the turn has not ended
     await asyncio.sleep(0)
     assert b.latency.samples == 3
-    assert g.metrics.requests.labels("e", "m", "default", "200", "ok").value == 3
+    assert g.metrics.requests.labels("e", "m", "default", "200", "ok", "chat").value == 3
     g.record_soon(b, SHAPE, OUTCOME, 0.0, 0.0001, None)  # a later turn starts a batch of its own
     await asyncio.sleep(0)
     assert b.latency.samples == 4
@@ -50,5 +50,5 @@ async def test_a_record_that_fails_loses_none_of_the_others(caplog):
     g.record_soon(b, SHAPE, OUTCOME, 0.0, 0.0001, None)
     with caplog.at_level(logging.ERROR, logger="shapegate"):
         await asyncio.sleep(0)
-    assert g.metrics.requests.labels("e", "m", "default", "200", "ok").value == 2
+    assert g.metrics.requests.labels("e", "m", "default", "200", "ok", "chat").value == 2
     assert [r.getMessage() for r in caplog.records] == ["recording an attempt failed: AttributeError"]

@@ -1,0 +1,44 @@
+"""Rerank (/v1/rerank, /rerank, /v2/rerank) and score (/v1/score): body checks and the text that is sized."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from gateway.errors import bad_request
+
+
+def _texts(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        out = []
+        for v in value:
+            if isinstance(v, str):
+                out.append(v)
+            elif isinstance(v, dict) and isinstance(v.get("text"), str):
+                out.append(v["text"])
+        return out
+    return []
+
+
+def check(route: str, body: Mapping[str, Any]) -> None:
+    if route == "rerank":
+        if not isinstance(body.get("query"), str):
+            raise bad_request("Missing required parameter: 'query' (a string).", param="query",
+                              code="missing_required_parameter")
+        if not isinstance(body.get("documents"), list):
+            raise bad_request("Missing required parameter: 'documents' (an array).", param="documents",
+                              code="missing_required_parameter")
+        return
+    pairs = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+    if not any(a in body and b in body for a, b in pairs):
+        raise bad_request("Missing required parameters: 'text_1' and 'text_2'.", param="text_1",
+                          code="missing_required_parameter")
+
+
+def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
+    """Every text the engine reads: the query (or first texts) and the documents."""
+    parts: list[str] = []
+    for name in ("query", "text_1", "queries", "data_1", "documents", "text_2", "items", "data_2"):
+        parts += _texts(body.get(name))
+    return parts, 0

@@ -1,0 +1,105 @@
+"""The further APIs' bodies as clients send them, hostile ones included: each refusal is a 400 (or the id's 404)
+in words that name the field, and nothing of a client's text that is not of a safe form is echoed."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.apis import audio, table
+from gateway.apis.bodies import parse_body
+from gateway.errors import GatewayError
+from gateway.routing.relay import usage_of
+from gateway.routing.shape import prompt_text, requested_output, session_of
+from gateway.routing.typed_relay import first_event_error
+
+HOSTILE = [
+    ("responses", b'{"model":"m"}', 400, "input"),
+    ("responses", b'{"model":"m","input":5}', 400, "input"),
+    ("responses", b'{"model":"m","input":"x","previous_response_id":"../x"}', 404, "previous_response_id"),
+    ("responses", b'{"model":"m","input":"x","previous_response_id":7}', 404, "previous_response_id"),
+    ("responses", b'{"model":"m","input":"x","instructions":[1]}', 400, "instructions"),
+    ("responses", b'{"model":"m","input":"x","stream":"yes"}', 400, "stream"),
+    ("messages", b'{"model":"m","messages":[{"role":"user","content":"x"}]}', 400, "max_tokens"),
+    ("messages", b'{"model":"m","max_tokens":true,"messages":[{"role":"user","content":"x"}]}', 400, "max_tokens"),
+    ("messages", b'{"model":"m","max_tokens":5,"messages":{}}', 400, "messages"),
+    ("messages", b'{"model":"m","max_tokens":5,"messages":[{}],"system":5}', 400, "system"),
+    ("count_tokens", b'{"model":"m"}', 400, "messages"),
+    ("rerank", b'{"model":"m","query":"q","documents":"d"}', 400, "documents"),
+    ("score", b'{"model":"m","text_1":"a"}', 400, "text_1"),
+    ("messages", b'[1,2]', 400, None),
+    ("responses", b'{"input":"x"}', 400, "model"),
+]
+
+
+@pytest.mark.parametrize("route,raw,status,param", HOSTILE)
+def test_hostile_bodies_are_refused_naming_the_field(route, raw, status, param):
+    with pytest.raises(GatewayError) as e:
+        parse_body(raw, route)
+    assert e.value.status == status and e.value.param == param
+    assert "../x" not in e.value.message
+
+
+def test_routes_of_paths_and_ids():
+    assert table.route_of("/v1/responses") == "responses"
+    assert table.route_of("/v1/responses/resp_ab-12") == "response"
+    assert table.route_of("/v1/responses/resp_ab/cancel") == "response_cancel"
+    assert table.route_of("/v2/rerank") == table.route_of("/rerank") == "rerank"
+    for bad in ("/v1/responses/a b", "/v1/responses/", "/v1/responses/x/y", "/v1/responses/" + "a" * 129,
+                "/v1/responses/%2e%2e", "/v1/responses/x/cancel/more"):
+        assert table.route_of(bad) is None
+    assert table.allows("response", "DELETE") and not table.allows("response", "POST")
+    assert table.response_id_in("/v1/responses/resp_1/cancel") == "resp_1"
+
+
+def test_prompt_output_and_session_of_each_api():
+    body = {"model": "m", "instructions": "be brief", "max_output_tokens": 40, "previous_response_id": "resp_1",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
+                      {"type": "function_call_output", "call_id": "c", "output": "42"}]}
+    text, n = prompt_text("responses", body)
+    assert "be brief" in text and "hello" in text and "42" in text and n == 2
+    assert requested_output(body, "responses") == 40
+    assert session_of(body, {}, "responses") == "resp_1"
+    msg = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "sys"}], "metadata": {"user_id": "u"},
+           "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                      {"type": "tool_result", "content": "res"}]}]}
+    text, n = prompt_text("messages", msg)
+    assert "sys" in text and "hi" in text and "res" in text and n == 2
+    assert requested_output(msg, "messages") == 9 and session_of(msg, {}, "messages") == "u"
+    assert session_of(msg, {"x-session-id": "h"}, "messages") == "h"
+
+
+def test_usage_in_each_apis_names():
+    assert usage_of(b'{"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":3},"output_tokens":5}}') \
+        == {"prompt_tokens": 7, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}
+    assert usage_of(b'{"usage":{"input_tokens":9,"cache_read_input_tokens":2,"output_tokens":4}}') == \
+        {"prompt_tokens": 9, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+FORM = (b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        b'Content-Type: audio/wav\r\n\r\nRIFF\x00\x01name="model"\r\n--XyZ--\r\n')
+
+
+def test_forms_read_only_their_small_fields():
+    assert audio.check('multipart/form-data; boundary=XyZ', FORM) == {"model": "whisper"}
+    assert audio.with_form_model(FORM, "native").count(b"native") == 1
+    for ctype, raw in (("application/json", FORM), ("multipart/form-data", FORM),
+                       ("multipart/form-data; boundary=XyZ", FORM.replace(b"whisper", b"")),
+                       ("multipart/form-data; boundary=XyZ", FORM.split(b"--XyZ\r\nContent-Disposition: form-data; "
+                                                                        b'name="file"')[0] + b"--XyZ--\r\n"),
+                       ("multipart/form-data; boundary=Other", FORM)):
+        with pytest.raises(GatewayError) as e:
+            audio.check(ctype, raw)
+        assert e.value.status == 400
+    huge = FORM.replace(b"whisper", b"w" * (audio.FIELD_LIMIT + 1))
+    with pytest.raises(GatewayError):
+        audio.check("multipart/form-data; boundary=XyZ", huge)  # a field past the limit is not read as the model
+
+
+def test_a_typed_stream_that_opens_with_an_error():
+    e = first_event_error(b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                          b'"message":"busy"}}\n\n')
+    assert e is not None and e.message == "busy"
+    e = first_event_error(b"event: error\ndata: {not json\n\n")
+    assert e is not None and e.status == 502
+    assert first_event_error(b'event: response.created\ndata: {"type":"response.created"}\n\n') is None
