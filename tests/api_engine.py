@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from benchmarks.loopback import free_port
+from tests.fake_engine import FakeEngine
 
 _ids = itertools.count(1)
 
@@ -160,19 +160,14 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
 
-class ApiEngine:
+class ApiEngine(FakeEngine):
     """One fake engine: `await ApiEngine(ApiKnobs(name="a")).start()`, then `.url`, `.stop()`."""
 
     def __init__(self, knobs: ApiKnobs | None = None) -> None:
-        self.knobs = knobs or ApiKnobs()
-        self.runner: web.AppRunner | None = None
-        self.port = 0
+        super().__init__()
+        self.knobs = knobs or ApiKnobs()  # type: ignore[assignment]
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self, port: int = 0) -> "ApiEngine":
+    def app(self) -> web.Application:
         app = web.Application(middlewares=[_record])
         app[KNOBS] = self.knobs
         r = app.router
@@ -186,12 +181,4 @@ class ApiEngine:
         r.add_post("/v1/audio/transcriptions", _transcribe)
         r.add_get("/health", _health)
         r.add_get("/v1/models", _health)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        self.port = port or free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        return app

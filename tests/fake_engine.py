@@ -162,8 +162,11 @@ class FakeEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def app(self) -> web.Application:
+        return make_app(self.knobs)
+
     async def start(self, port: int = 0) -> "FakeEngine":
-        self.runner = web.AppRunner(make_app(self.knobs), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self.runner.setup()
         self.port = port or free_port()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()

@@ -6,6 +6,7 @@ from typing import Any, Final, Mapping
 
 import orjson
 
+from gateway.apis.prompt import add_tools, positive_int
 from gateway.errors import GatewayError, bad_request
 
 # Anthropic's error types by status; 503 leaves as Anthropic's own "overloaded" status, 529, which its SDKs retry.
@@ -64,7 +65,10 @@ def _blocks_text(content: Any, out: list[str]) -> None:
             elif block.get("type") == "tool_result":
                 _blocks_text(block.get("content"), out)
             elif block.get("type") == "tool_use" and isinstance(block.get("input"), dict):
-                out.append(orjson.dumps(block["input"]).decode())
+                try:
+                    out.append(orjson.dumps(block["input"]).decode())
+                except orjson.JSONEncodeError:
+                    raise bad_request("messages: a tool_use input is nested too deeply.", param="messages") from None
 
 
 def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
@@ -76,13 +80,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
         parts.append("<system>")
         _blocks_text(system, parts)
         n += 1
-    tools = body.get("tools")
-    if isinstance(tools, list) and tools:
-        try:
-            parts += ("<tools>", orjson.dumps(tools).decode())
-        except orjson.JSONEncodeError:
-            raise bad_request("tools: nested too deeply.", param="tools") from None
-        n += 1
+    n += add_tools(body.get("tools"), parts)
     for m in body.get("messages") or ():
         if isinstance(m, dict):
             parts += ("<", str(m.get("role", "")), ">")
@@ -92,8 +90,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
 
 
 def requested_output(body: Mapping[str, Any]) -> int | None:
-    v = body.get("max_tokens")
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    return positive_int(body.get("max_tokens"))
 
 
 def session(body: Mapping[str, Any]) -> str | None:

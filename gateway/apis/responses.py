@@ -8,6 +8,7 @@ from typing import Any, Final, Mapping
 import orjson
 
 from gateway.apis.table import RESPONSE_ID
+from gateway.apis.prompt import add_tools, positive_int
 from gateway.errors import GatewayError, bad_request
 
 
@@ -67,13 +68,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
     if isinstance(instructions, str):
         parts += ("<system>", instructions)
         n += 1
-    tools = body.get("tools")
-    if isinstance(tools, list) and tools:
-        try:
-            parts += ("<tools>", orjson.dumps(tools).decode())
-        except orjson.JSONEncodeError:
-            raise bad_request("'tools' is nested too deeply.", param="tools") from None
-        n += 1
+    n += add_tools(body.get("tools"), parts)
     value = body.get("input")
     if isinstance(value, str):
         parts += ("<user>", value)
@@ -85,8 +80,7 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
 
 
 def requested_output(body: Mapping[str, Any]) -> int | None:
-    v = body.get("max_output_tokens")
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    return positive_int(body.get("max_output_tokens"))
 
 
 def session(body: Mapping[str, Any]) -> str | None:

@@ -39,6 +39,19 @@ def test_hostile_bodies_are_refused_naming_the_field(route, raw, status, param):
     assert "../x" not in e.value.message
 
 
+def test_deeply_nested_tool_input_is_a_400():
+    deep: dict = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": deep}]}]}
+    with pytest.raises(GatewayError) as e:
+        prompt_text("messages", body)
+    assert e.value.status == 400 and e.value.param == "messages"
+    with pytest.raises(GatewayError):
+        prompt_text("responses", {"model": "m", "input": "x", "tools": [deep]})
+
+
 def test_routes_of_paths_and_ids():
     assert table.route_of("/v1/responses") == "responses"
     assert table.route_of("/v1/responses/resp_ab-12") == "response"
