@@ -9,8 +9,8 @@ from gateway.errors import bad_request
 
 _BOUNDARY: Final = re.compile(r'boundary="?([^";]{1,200})"?', re.I)
 _NAME: Final = re.compile(rb'name="([^"]{1,100})"', re.I)
-FIELDS: Final = ("model", "stream", "language", "prompt", "response_format")
-FIELD_LIMIT: Final = 4096  # a form field routing reads (a model name, a flag): longer ones are not ours to read
+FIELDS: Final[tuple[str, ...]] = ("model", "stream", "language", "prompt", "response_format")
+FIELD_LIMIT: Final[int] = 4096  # a form field routing reads (a model name, a flag): longer ones are not ours to read
 
 
 def form_fields(content_type: str, raw: bytes) -> dict[str, str]:

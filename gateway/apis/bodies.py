@@ -9,9 +9,9 @@ import orjson
 from gateway.apis import audio, messages, rerank, responses
 from gateway.errors import bad_request
 
-REQUIRED: Final = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
-NO_BODY: Final = frozenset({"response", "response_cancel"})  # the id in the path is the request
-FORMS: Final = frozenset({"transcriptions", "translations"})
+REQUIRED: Final[dict[str, str]] = {"chat": "messages", "completions": "prompt", "embeddings": "input"}
+NO_BODY: Final[frozenset[str]] = frozenset({"response", "response_cancel"})  # the id in the path is the request
+FORMS: Final[frozenset[str]] = frozenset({"transcriptions", "translations"})
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

@@ -14,7 +14,7 @@ _TYPES: Final = {400: "invalid_request_error", 401: "authentication_error", 403:
                  404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                  413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 502: "api_error",
                  503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
-OVERLOADED: Final = 529
+OVERLOADED: Final[int] = 529
 
 
 def status_of(err: GatewayError) -> int:
@@ -100,8 +100,8 @@ def session(body: Mapping[str, Any]) -> str | None:
 
 
 # -- its stream ---------------------------------------------------------------------------------------------------
-TOKEN_MARK: Final = b'"content_block_delta"'
-SPECIAL: Final = (b'"message_start"', b'"message_delta"', b'"message_stop"', b'"error"')
+TOKEN_MARK: Final[bytes] = b'"content_block_delta"'
+SPECIAL: Final[tuple[bytes, ...]] = (b'"message_start"', b'"message_delta"', b'"message_stop"', b'"error"')
 
 
 def usage_of_message(obj: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -111,9 +111,9 @@ def id_of(reply: Mapping[str, Any]) -> str | None:
 # -- its stream ---------------------------------------------------------------------------------------------------
 # An event with output: each `*.delta` type (text, reasoning, refusal, function-call arguments). A JSON string
 # ending in `.delta"` inside a delta's own text is escaped (`\"`), so the quote marks the type's end.
-TOKEN_MARK: Final = b'.delta"'
+TOKEN_MARK: Final[bytes] = b'.delta"'
 # Events worth parsing: the first (its id), the last (usage, status) and failures.
-SPECIAL: Final = (b'"response.created"', b'"response.completed"', b'"response.incomplete"', b'"response.failed"',
+SPECIAL: Final[tuple[bytes, ...]] = (b'"response.created"', b'"response.completed"', b'"response.incomplete"', b'"response.failed"',
                   b'"error"')
 _SEQ: Final = re.compile(rb'"sequence_number"\s*:\s*(\d+)')
 

@@ -8,7 +8,7 @@ from typing import Final
 from gateway.errors import GatewayError
 
 # Route name -> the engine path a request of it is sent to (the id routes add the response's id).
-UPSTREAM: Final = {
+UPSTREAM: Final[dict[str, str]] = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
@@ -25,7 +25,7 @@ UPSTREAM: Final = {
 }
 
 # Client path -> route name. Rerank has three names among the engines: each goes to /v1/rerank, which all serve.
-PATH_ROUTES: Final = {
+PATH_ROUTES: Final[dict[str, str]] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
@@ -41,19 +41,19 @@ PATH_ROUTES: Final = {
     "/v1/audio/translations": "translations",
 }
 
-METHODS: Final = {"response": ("GET", "DELETE")}  # every other route: POST only
-RESPONSE_PREFIX: Final = "/v1/responses/"
+METHODS: Final[dict[str, tuple[str, ...]]] = {"response": ("GET", "DELETE")}  # every other route: POST only
+RESPONSE_PREFIX: Final[str] = "/v1/responses/"
 # A response id as engines make them (resp_ and 32 hex on vLLM; other letters elsewhere): letters, digits, - and _.
 RESPONSE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 # Routes that generate text: they are shaped, measured per token and learn the engines' latencies.
-GENERATING: Final = frozenset({"chat", "completions", "responses", "messages"})
+GENERATING: Final[frozenset[str]] = frozenset({"chat", "completions", "responses", "messages"})
 # Routes whose stream is typed events (`event:` lines, no [DONE]) rather than chat chunks.
-TYPED_STREAMS: Final = frozenset({"responses", "messages"})
+TYPED_STREAMS: Final[frozenset[str]] = frozenset({"responses", "messages"})
 # Routes that answer from a stored response: they go to the backend that made it, never elsewhere.
-BY_RESPONSE_ID: Final = frozenset({"response", "response_cancel"})
+BY_RESPONSE_ID: Final[frozenset[str]] = frozenset({"response", "response_cancel"})
 # Routes whose errors take Anthropic's shape.
-ANTHROPIC: Final = frozenset({"messages", "count_tokens"})
+ANTHROPIC: Final[frozenset[str]] = frozenset({"messages", "count_tokens"})
 
 
 def route_of(path: str) -> str | None:

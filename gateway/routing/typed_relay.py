@@ -29,12 +29,12 @@ class TypedRules:
         self.error_event = error_event
 
 
-RULES: Final = {
+RULES: Final[dict[str, TypedRules]] = {
     "responses": TypedRules("responses", responses.TOKEN_MARK, responses.SPECIAL, responses.error_event),
     "messages": TypedRules("messages", messages.TOKEN_MARK, messages.SPECIAL, messages.error_event),
 }
 RULES["response"] = RULES["responses"]  # a stored response's GET with ?stream=true replays its events
-FIRST_ERROR_STARTS: Final = (b"event: error", b"event:error", b'data: {"type":"error"', b'data: {"error"',
+FIRST_ERROR_STARTS: Final[tuple[bytes, ...]] = (b"event: error", b"event:error", b'data: {"type":"error"', b'data: {"error"',
                              b'data:{"error"')
 
 
