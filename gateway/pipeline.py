@@ -11,7 +11,7 @@ import orjson
 from gateway.apis import messages
 from gateway.apis import responses as responses_api
 from gateway.apis.bodies import NO_BODY, parse_body
-from gateway.apis.table import ANTHROPIC, BY_RESPONSE_ID, response_id_in, route_not_served, upstream_path
+from gateway.apis.table import ANTHROPIC, BY_RESPONSE_ID, PASSED_HEADERS, response_id_in, route_not_served, upstream_path
 from gateway.contracts import (DEFAULT, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error, shutting_down,
@@ -36,11 +36,6 @@ if TYPE_CHECKING:  # the runtime imports this module's callers, never this modul
     from gateway.keys.principal import Principal
     from gateway.runtime import Gateway
 
-# Client headers passed on, per route, besides a valid trace context: (name as received, name sent).
-PASSED: Final = {"messages": (("anthropic-version", "anthropic-version"), ("anthropic-beta", "anthropic-beta")),
-                 "transcriptions": (("content-type", "Content-Type"),),
-                 "translations": (("content-type", "Content-Type"),)}
-PASSED["count_tokens"] = PASSED["messages"]
 # How engines answer a path they do not serve (FastAPI's and llama.cpp's 404 messages).
 UNKNOWN_PATH_MESSAGES: Final = frozenset({"not found", "file not found"})
 
@@ -109,7 +104,7 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     if g.experiments and shape.model in g.experiments.models and stored is None:
         choice = experiments.enter(g.experiments, caller, shape, body, headers, candidates)
         candidates, arm, st.split = choice.candidates, choice.arm, choice.split
-        if route in CHAT_FAMILY:  # (a shadow copy is compared as a chat stream: the other APIs are not copied)
+        if shadow.copyable(route, body):
             st.shadow = choice.shadow
     if not candidates:
         raise g.pool.unavailable(shape.model, now)
@@ -172,7 +167,7 @@ async def dispatch(g: Gateway, st: RequestState, shape: RequestShape, decision: 
     body, raw = st.body, st.raw
     headers = st.ex.headers
     # Only a valid trace context and the route's own checked headers go on; the request id was checked on arrival.
-    fwd = forwarded_headers(headers, PASSED.get(st.route, ()))
+    fwd = forwarded_headers(headers, PASSED_HEADERS.get(st.route, ()))
     fwd["x-request-id"] = st.request_id
     path = upstream_path(st.route, st.ex.target)
     method = st.ex.method if st.route == "response" else "POST"

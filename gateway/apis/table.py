@@ -46,6 +46,13 @@ RESPONSE_PREFIX: Final[str] = "/v1/responses/"
 # A response id as engines make them (resp_ and 32 hex on vLLM; other letters elsewhere): letters, digits, - and _.
 RESPONSE_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
+# Client headers passed on, per route, besides a valid trace context: (name as received, name sent).
+_ANTHROPIC_HEADERS: Final = (("anthropic-version", "anthropic-version"), ("anthropic-beta", "anthropic-beta"))
+_FORM_HEADERS: Final = (("content-type", "Content-Type"),)
+PASSED_HEADERS: Final[dict[str, tuple[tuple[str, str], ...]]] = {
+    "messages": _ANTHROPIC_HEADERS, "count_tokens": _ANTHROPIC_HEADERS,
+    "transcriptions": _FORM_HEADERS, "translations": _FORM_HEADERS}
+
 # Routes that generate text: they are shaped, measured per token and learn the engines' latencies.
 GENERATING: Final[frozenset[str]] = frozenset({"chat", "completions", "responses", "messages"})
 # Routes whose stream is typed events (`event:` lines, no [DONE]) rather than chat chunks.

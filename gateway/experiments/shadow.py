@@ -11,15 +11,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from gateway.config import GatewayConfig, UpstreamConfig
-from gateway.apis.table import UPSTREAM
+from gateway.apis.table import PASSED_HEADERS, UPSTREAM
 from gateway.contracts import (ENGINE_ERROR, Outcome, Policy, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
-from gateway.errors import upstream_failed, upstream_timeout
+from gateway.errors import GatewayError, upstream_failed, upstream_timeout
+from gateway.http.headers import forwarded_headers
 from gateway.experiments.experiment import PRIMARY, Arm, Experiment
+from gateway.experiments.outputs import output_of
 from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measured, request_at_fault, stream_status
 from gateway.routing.failover import TRANSPORT_ERRORS
 from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import RequestState
+from gateway.routing.typed_relay import RULES, TypedRelay, TypedRules
+from gateway.routing.typed_relay import first_event_error as typed_first_error
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import BackendState, Pool
@@ -27,6 +31,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shapegate.shadow")
 MAX_TAP_BYTES = 1 << 20  # the primary's reply kept for comparing outputs; a longer one is not compared
+COPIED = frozenset({"chat", "completions", "embeddings", "responses", "messages"})
+
+
+def copyable(route: str, body: dict[str, Any]) -> bool:
+    """Whether a copy of this request means the same to a candidate engine. Not a Responses request that
+    continues a stored response or conversation, or runs in the background: those live on the engine that has
+    them, and a candidate would only fail them."""
+    if route == "responses":
+        return body.get("previous_response_id") is None and body.get("conversation") is None \
+            and body.get("background") is not True
+    return route in COPIED
 
 
 class Host(Protocol):
@@ -130,7 +145,13 @@ def _saturated(b, now: float) -> bool:
 async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestState, shape: RequestShape,
                 body: dict, raw: bytes, tap: Tap) -> None:
     cfg = g.cfg
-    fwd = {"x-request-id": f"{st.request_id}.shadow", "x-shapegate-shadow": x.name}
+    fwd = forwarded_headers(st.ex.headers, PASSED_HEADERS.get(shape.route, ()))
+    fwd["x-request-id"] = f"{st.request_id}.shadow"
+    fwd["x-shapegate-shadow"] = x.name
+    if shape.route == "responses" and body.get("store") is not False:
+        # Stored, the copy's response would sit on the candidate under an id no client ever learns.
+        body = {**body, "store": False}
+        raw = orjson.dumps(body)
     data = b""  # the copy's reply, compared with the primary's
     try:
         upstream_body = b.adapter.prepare(shape.route, body, raw, b.models[shape.model], shape.stream)
@@ -159,8 +180,8 @@ async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestSt
     x.record(PRIMARY, shape.klass, primary)
     g.metrics.experiment(x.name, PRIMARY, shape.klass, primary)
     if o.ok and primary.ok and not tap.full and deterministic(body):
-        p_text, p_tokens = _output(b"".join(tap.chunks), shape.stream)
-        text, tokens = _output(data, shape.stream)
+        p_text, p_tokens = output_of(b"".join(tap.chunks), shape.stream, shape.route)
+        text, tokens = output_of(data, shape.stream, shape.route)
         x.agreement[arm.name].add(p_text, text, p_tokens, tokens)
         g.metrics.agreement(x.name, arm.name, p_text == text)
 
@@ -175,6 +196,7 @@ async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
     status, served, answered, data = reply.status, False, False, b""
     meter: StreamMeter | None = None
     usage: dict | None = None
+    typed = RULES.get(shape.route)
     try:
         if status >= 400:
             await reply.read(up.max_error_bytes, truncate=True)
@@ -190,19 +212,27 @@ async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
             first = await reply.next_chunk(first_by)
             if first is None or reply.broken:
                 status = 502
-            elif first.startswith(ERROR_EVENT_STARTS):  # an engine that validates after opening the stream
-                err = first_event_error(first)
-                status = err.status if err is not None else 502
-                answered = err is not None and status < 500
+            elif (err := _opening_error(first, typed)) is not None:  # an engine that validates after opening it
+                status = err.status
+                answered = status < 500
             else:
                 meter = StreamMeter()
-                data = await _relay(reply, first, meter, shape.model, up.max_reply_bytes)
+                data = await _relay(reply, first, meter, shape.model, up.max_reply_bytes, typed)
                 usage = meter.usage
                 status = stream_status(meter)
                 served = status == 200
     finally:
         reply.close()
     return measured(b.id, shape, t0, status, served, answered, False, meter, usage), data
+
+
+def _opening_error(first: bytes, typed: TypedRules | None) -> GatewayError | None:
+    """The error event a stream opens with, read as the client's request reads it (gateway/pipeline.py)."""
+    if typed is not None:
+        return typed_first_error(first)
+    if first.startswith(ERROR_EVENT_STARTS):
+        return first_event_error(first) or upstream_failed("the engine began its stream with a malformed error event")
+    return None
 
 
 class _Unsent:
@@ -217,9 +247,11 @@ class _Unsent:
         pass
 
 
-async def _relay(reply: UpstreamReply, first: bytes, meter: StreamMeter, model: str, limit: int) -> bytes:
+async def _relay(reply: UpstreamReply, first: bytes, meter: StreamMeter, model: str, limit: int,
+                 typed: TypedRules | None) -> bytes:
     """A copy's stream through the relay a client's goes through, for its meter; the bytes as the engine sent them."""
-    relay = SSERelay(_Unsent(), meter, strip_usage=False, rename=ModelRewrite(model))
+    relay = SSERelay(_Unsent(), meter, strip_usage=False, rename=ModelRewrite(model)) if typed is None else \
+        TypedRelay(_Unsent(), meter, typed, ModelRewrite(model))
     chunks: list[bytes] = []
     size = 0
     chunk: bytes | None = first
@@ -241,42 +273,3 @@ async def _relay(reply: UpstreamReply, first: bytes, meter: StreamMeter, model: 
         return b"".join(chunks)
     await relay.finish()
     return b"".join(chunks)
-
-
-def _output(data: bytes, stream: bool) -> tuple[str, list[str] | None]:
-    """The first choice's text, and for a stream its pieces (one per event: a token each on the engines)."""
-    if not stream:
-        try:
-            doc = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return "", None
-        return _choice_text(doc, "message"), None
-    pieces = []
-    for event in data.split(b"\n\n"):
-        line = event.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            break
-        try:
-            doc = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            continue
-        piece = _choice_text(doc, "delta")
-        if piece:
-            pieces.append(piece)
-    return "".join(pieces), pieces
-
-
-def _choice_text(doc: Any, key: str) -> str:
-    choices = doc.get("choices") if isinstance(doc, dict) else None
-    if not isinstance(choices, list):
-        return ""
-    for c in choices:
-        if isinstance(c, dict) and c.get("index", 0) == 0:
-            m = c.get(key)
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                return m["content"]
-            return c["text"] if isinstance(c.get("text"), str) else ""
-    return ""
