@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.api_engine import ApiEngine, ApiKnobs
 from tests.integration.browser import chromium_available
 from tests.needs import skip_or_fail
 
@@ -14,3 +15,12 @@ def chromium() -> None:
     if not chromium_available():
         skip_or_fail("/usr/bin/chromium is not installed (apt-get install -y chromium)")
 
+
+
+@pytest.fixture
+async def api_engines():
+    """Two fake engines of the APIs beyond chat, named a and b (their texts say which answered)."""
+    started = [await ApiEngine(ApiKnobs(name=n)).start() for n in ("a", "b")]
+    yield started
+    for e in started:
+        await e.stop()

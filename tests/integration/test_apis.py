@@ -8,7 +8,6 @@ import anthropic
 import openai
 import pytest
 
-from tests.api_engine import ApiEngine, ApiKnobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 
 OTHER_KEY = "sk-test-other-key"
@@ -20,14 +19,6 @@ def _cfg(engines, **sections):
                           for i, e in enumerate(engines)], routing={"policy": "round_robin"}, **sections)
     cfg["auth"]["keys"].append({"id": "other", "sha256": hash_key(OTHER_KEY)})
     return cfg
-
-
-@pytest.fixture
-async def api_engines():
-    started = [await ApiEngine(ApiKnobs(name=n)).start() for n in ("a", "b")]
-    yield started
-    for e in started:
-        await e.stop()
 
 
 @pytest.fixture

@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import anthropic
 import openai
-import pytest
 
-from tests.api_engine import ApiEngine, ApiKnobs
 from tests.gateway_harness import USER_KEY, gateway_config, start_gateway
 from tests.kit import until
 
 MODEL = "m"
-
-
-@pytest.fixture
-async def api_engines():
-    started = [await ApiEngine(ApiKnobs(name=n)).start() for n in ("a", "b")]
-    yield started
-    for e in started:
-        await e.stop()
 
 
 def _cfg(engines, experiment: dict) -> dict:
