@@ -11,7 +11,7 @@ from aiohttp import web
 from gateway.sim import forced, pump
 from gateway.sim.errors import ApiError
 from gateway.sim.forced import ToolCall
-from gateway.sim.handlers import apply_entry_faults, error_response, read_json
+from gateway.sim.handlers import error_response, generating, read_json
 from gateway.sim.parse import check_model, context_error
 from gateway.sim.responses_fmt import event
 from gateway.sim.scheduler import SimRequest
@@ -223,45 +223,37 @@ def _prompt(st: SimState, body: dict[str, Any], count_only: bool) -> tuple[str, 
     return model, tokens, constraint, bool(constraint and constraint.named)
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
-    st = request.app[SIM]
-    await st.ready.wait()
-    st.inflight += 1
+@generating(anthropic_error)
+async def messages(request: web.Request, st: SimState) -> web.StreamResponse:
     try:
-        injected = await apply_entry_faults(st, anthropic_error)
-        if injected is not None:
-            return injected
-        try:
-            body = await _body(request)
-            model, tokens, constraint, named = _prompt(st, body, count_only=False)
-            limit = body.get("max_tokens", 4096)  # llama-server fills in 4096 when it is missing
-            error = context_error(st.parse_ctx, len(tokens), limit)
-            if error is not None:
-                raise error
-            room = (st.profile.slot_ctx() if st.engine_name == "llamacpp"
-                    else st.profile.max_model_len) - len(tokens)
-            cap = max(min(int(limit), room), 1)
-            stops = body.get("stop_sequences") or ()
-            output = generate(st.opts.seed, tokens, cap, False, tuple(stops))
-            call = None
-            if constraint is not None:
-                output, call = forced.realize(constraint, st.engine_name, "chat", st.opts.seed,
-                                              tokens, cap)
-        except _Invalid as err:
-            return error_response(st, err)
-        except ApiError as err:
-            return anthropic_error(st, err)
-        msg = MsgCall(st.engine_name, st.fmt.new_id("chat"), model, len(tokens), output, call, named,
-                      st.opts.report_cached_tokens)
-        ticket = pump.submit(st, tokens, output)
-        try:
-            if body.get("stream"):
-                return await pump.stream(request, st, ticket, MessagesStream(msg))
-            return _json(msg.message(await pump.finish(ticket)))
-        finally:
-            pump.release(st, ticket)
+        body = await _body(request)
+        model, tokens, constraint, named = _prompt(st, body, count_only=False)
+        limit = body.get("max_tokens", 4096)  # llama-server fills in 4096 when it is missing
+        error = context_error(st.parse_ctx, len(tokens), limit)
+        if error is not None:
+            raise error
+        room = (st.profile.slot_ctx() if st.engine_name == "llamacpp"
+                else st.profile.max_model_len) - len(tokens)
+        cap = max(min(int(limit), room), 1)
+        stops = body.get("stop_sequences") or ()
+        output = generate(st.opts.seed, tokens, cap, False, tuple(stops))
+        call = None
+        if constraint is not None:
+            output, call = forced.realize(constraint, st.engine_name, "chat", st.opts.seed,
+                                          tokens, cap)
+    except _Invalid as err:
+        return error_response(st, err)
+    except ApiError as err:
+        return anthropic_error(st, err)
+    msg = MsgCall(st.engine_name, st.fmt.new_id("chat"), model, len(tokens), output, call, named,
+                  st.opts.report_cached_tokens)
+    ticket = pump.submit(st, tokens, output)
+    try:
+        if body.get("stream"):
+            return await pump.stream(request, st, ticket, MessagesStream(msg))
+        return _json(msg.message(await pump.finish(ticket)))
     finally:
-        st.inflight -= 1
+        pump.release(st, ticket)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

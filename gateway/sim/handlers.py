@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -35,6 +35,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 
 ErrorRender = Callable[[SimState, ApiError, "dict[str, str] | None"], web.Response]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def apply_entry_faults(st: SimState, render: ErrorRender = error_response) -> web.Response | None:
@@ -53,24 +54,38 @@ async def apply_entry_faults(st: SimState, render: ErrorRender = error_response)
     return render(st, ApiError(status, "Simulated fault injected by the engine simulator"), headers)
 
 
-def make_chat_handler(kind: str):
-    async def handler(request: web.Request) -> web.StreamResponse:
-        st = request.app[SIM]
-        await st.ready.wait()  # SGLang takes requests during warm-up and serves them after it
-        st.inflight += 1
-        try:
-            injected = await apply_entry_faults(st)
-            if injected is not None:
-                return injected
+Generating = Callable[[web.Request, SimState], Awaitable[web.StreamResponse]]
+
+
+def generating(render: ErrorRender = error_response) -> Callable[[Generating], Handler]:
+    """A generating route as the engine takes it: once warm-up is over (SGLang takes requests during warm-up and
+    serves them after it), counted in flight, through the injected entry faults (in `render`'s error shape)."""
+    def wrap(serve: Generating) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            st = request.app[SIM]
+            await st.ready.wait()
+            st.inflight += 1
             try:
-                gen = parse_generation(st.parse_ctx, kind, await read_json(request))
-            except ApiError as err:
-                return error_response(st, err)
-            if gen.inband_error is not None:
-                return await _inband_error(request, st, gen.inband_error)
-            return await _serve(request, st, gen)
-        finally:
-            st.inflight -= 1
+                injected = await apply_entry_faults(st, render)
+                if injected is not None:
+                    return injected
+                return await serve(request, st)
+            finally:
+                st.inflight -= 1
+        return handler
+    return wrap
+
+
+def make_chat_handler(kind: str) -> Handler:
+    @generating()
+    async def handler(request: web.Request, st: SimState) -> web.StreamResponse:
+        try:
+            gen = parse_generation(st.parse_ctx, kind, await read_json(request))
+        except ApiError as err:
+            return error_response(st, err)
+        if gen.inband_error is not None:
+            return await _inband_error(request, st, gen.inband_error)
+        return await _serve(request, st, gen)
 
     return handler
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.sim import pump
 from gateway.sim.errors import ApiError
-from gateway.sim.handlers import apply_entry_faults, error_response, read_json
+from gateway.sim.handlers import error_response, generating, read_json
 from gateway.sim.parse import check_model
 from gateway.sim.state import SIM, SimState
 from gateway.sim.tokens import VOCAB, encode, fixed_output, words
@@ -151,49 +151,41 @@ def _audio_tokens(data: bytes, limit: int) -> list[int]:
     return [zlib.crc32(data[i * step:(i + 1) * step]) % VOCAB for i in range(n)]
 
 
-async def transcriptions(request: web.Request) -> web.Response:
-    st = request.app[SIM]
-    await st.ready.wait()
-    st.inflight += 1
+@generating()
+async def transcriptions(request: web.Request, st: SimState) -> web.Response:
     try:
-        injected = await apply_entry_faults(st)
-        if injected is not None:
-            return injected
-        try:
-            form = await _form(request)
-            upload = form.get("file")
-            data: bytes = upload.file.read() if isinstance(upload, web.FileField) else b""
-            fmt = str(form.get("response_format", "json"))
-            _check_transcription(st, form, upload, fmt)
-        except ApiError as err:
-            return error_response(st, err)
-        room = st.profile.slot_ctx() if st.engine_name == "llamacpp" else st.profile.max_model_len
-        tokens = _audio_tokens(data, room // 2)
-        output = fixed_output(transcript(len(data)), max(room - len(tokens), 1))
-        ticket = pump.submit(st, tokens, output)
-        try:
-            req = await pump.finish(ticket)
-        finally:
-            pump.release(st, ticket)
-        text = output.text
-        seconds = max(1, round(len(data) / _BYTES_PER_SECOND))
-        if st.engine_name == "llamacpp":
-            return _json({"type": "transcript.text.done", "text": text, "usage": {
-                "type": "tokens", "input_tokens": len(tokens), "output_tokens": req.generated,
-                "total_tokens": len(tokens) + req.generated,
-                "input_tokens_details": {"cached_tokens": req.cached}}})
-        if fmt == "text":
-            return web.Response(text=text, content_type="text/plain")
-        if fmt == "verbose_json":
-            return _json({"task": "transcribe", "language": str(form.get("language") or "en"),
-                          "duration": float(seconds), "text": text, "words": None,
-                          "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": float(seconds),
-                                        "text": text, "tokens": list(output.ids),
-                                        "temperature": 0.0, "avg_logprob": 0.0,
-                                        "compression_ratio": 1.0, "no_speech_prob": 0.0}]})
-        return _json({"text": text, "usage": {"type": "duration", "seconds": seconds}})
+        form = await _form(request)
+        upload = form.get("file")
+        data: bytes = upload.file.read() if isinstance(upload, web.FileField) else b""
+        fmt = str(form.get("response_format", "json"))
+        _check_transcription(st, form, upload, fmt)
+    except ApiError as err:
+        return error_response(st, err)
+    room = st.profile.slot_ctx() if st.engine_name == "llamacpp" else st.profile.max_model_len
+    tokens = _audio_tokens(data, room // 2)
+    output = fixed_output(transcript(len(data)), max(room - len(tokens), 1))
+    ticket = pump.submit(st, tokens, output)
+    try:
+        req = await pump.finish(ticket)
     finally:
-        st.inflight -= 1
+        pump.release(st, ticket)
+    text = output.text
+    seconds = max(1, round(len(data) / _BYTES_PER_SECOND))
+    if st.engine_name == "llamacpp":
+        return _json({"type": "transcript.text.done", "text": text, "usage": {
+            "type": "tokens", "input_tokens": len(tokens), "output_tokens": req.generated,
+            "total_tokens": len(tokens) + req.generated,
+            "input_tokens_details": {"cached_tokens": req.cached}}})
+    if fmt == "text":
+        return web.Response(text=text, content_type="text/plain")
+    if fmt == "verbose_json":
+        return _json({"task": "transcribe", "language": str(form.get("language") or "en"),
+                      "duration": float(seconds), "text": text, "words": None,
+                      "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": float(seconds),
+                                    "text": text, "tokens": list(output.ids),
+                                    "temperature": 0.0, "avg_logprob": 0.0,
+                                    "compression_ratio": 1.0, "no_speech_prob": 0.0}]})
+    return _json({"text": text, "usage": {"type": "duration", "seconds": seconds}})
 
 
 async def _form(request: web.Request) -> Any:

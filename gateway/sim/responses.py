@@ -11,7 +11,7 @@ from aiohttp import web
 from gateway.sim import forced, pump
 from gateway.sim import responses_fmt as rf
 from gateway.sim.errors import ApiError
-from gateway.sim.handlers import apply_entry_faults, error_response, read_json
+from gateway.sim.handlers import error_response, generating, read_json
 from gateway.sim.parse import ParseContext, check_model
 from gateway.sim.scheduler import SimRequest
 from gateway.sim.state import SIM, SimState
@@ -30,11 +30,16 @@ def _not_found(rid: str) -> ApiError:
                     "response_id")
 
 
-def _check_id(st: SimState, rid: str) -> None:
+def _stored(st: SimState, rid: str) -> Stored:
+    """The stored response of an id, or the engine's error for it."""
     # SGLang checks the prefix before it looks the id up.
     if st.engine_name == "sglang" and not rid.startswith("resp_"):
         raise ApiError(400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'.",
                        "invalid_request_error", "response_id")
+    stored = st.responses.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    return stored
 
 
 # -- request -> chat messages -----------------------------------------------------------------
@@ -133,10 +138,7 @@ def prepare(st: SimState, body: dict[str, Any]) -> tuple[rf.RespCall, Messages, 
         raise ApiError(400, "llama.cpp does not support 'previous_response_id'.")
     history: Messages = []
     if prev_id is not None:
-        _check_id(st, str(prev_id))
-        stored = st.responses.get(str(prev_id))
-        if stored is None:
-            raise _not_found(str(prev_id))
+        stored = _stored(st, str(prev_id))
         history = [m for m in stored.messages if m.get("role") != "system"]
         history += [_output_message(item) for item in stored.response.get("output", [])]
     messages: Messages = []
@@ -166,45 +168,37 @@ def prepare(st: SimState, body: dict[str, Any]) -> tuple[rf.RespCall, Messages, 
 
 
 # -- handlers ---------------------------------------------------------------------------------
-async def create(request: web.Request) -> web.StreamResponse:
-    st = request.app[SIM]
-    await st.ready.wait()
-    st.inflight += 1
+@generating()
+async def create(request: web.Request, st: SimState) -> web.StreamResponse:
     try:
-        injected = await apply_entry_faults(st)
-        if injected is not None:
-            return injected
-        try:
-            body = await read_json(request)
-            call, messages, tokens = prepare(st, body)
-            background = bool(body.get("background", False))
-            if background and st.engine_name == "vllm" and not call.store:
-                raise ApiError(400, "This vLLM engine does not support `store=True` and therefore "
-                                    "does not support the background mode. To enable these features, "
-                                    "set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` "
-                                    "when launching the vLLM server.",
-                               "invalid_request_error", "background")
-        except ApiError as err:
-            return error_response(st, err)
-        ticket = pump.submit(st, tokens, call.output)
+        body = await read_json(request)
+        call, messages, tokens = prepare(st, body)
+        background = bool(body.get("background", False))
+        if background and st.engine_name == "vllm" and not call.store:
+            raise ApiError(400, "This vLLM engine does not support `store=True` and therefore "
+                                "does not support the background mode. To enable these features, "
+                                "set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` "
+                                "when launching the vLLM server.",
+                           "invalid_request_error", "background")
+    except ApiError as err:
+        return error_response(st, err)
+    ticket = pump.submit(st, tokens, call.output)
 
-        def final(req: SimRequest) -> dict[str, Any]:
-            use = rf.usage(st.engine_name, call.prompt_tokens, req.cached, req.generated)
-            obj = rf.response_object(call, rf.final_status(call), rf.output_items(call), use)
-            if call.store:
-                st.responses.put(call.rid, Stored(obj, messages))
-            return obj
+    def final(req: SimRequest) -> dict[str, Any]:
+        use = rf.usage(st.engine_name, call.prompt_tokens, req.cached, req.generated)
+        obj = rf.response_object(call, rf.final_status(call), rf.output_items(call), use)
+        if call.store:
+            st.responses.put(call.rid, Stored(obj, messages))
+        return obj
 
-        if background and not body.get("stream"):
-            return _json(_start_background(st, call, messages, ticket, final))
-        try:
-            if body.get("stream"):
-                return await pump.stream(request, st, ticket, rf.ResponsesStream(call, final))
-            return _json(final(await pump.finish(ticket)))
-        finally:
-            pump.release(st, ticket)
+    if background and not body.get("stream"):
+        return _json(_start_background(st, call, messages, ticket, final))
+    try:
+        if body.get("stream"):
+            return await pump.stream(request, st, ticket, rf.ResponsesStream(call, final))
+        return _json(final(await pump.finish(ticket)))
     finally:
-        st.inflight -= 1
+        pump.release(st, ticket)
 
 
 def _start_background(st: SimState, call: rf.RespCall, messages: Messages, ticket: Any,
@@ -231,10 +225,7 @@ async def retrieve(request: web.Request) -> web.Response:
     st = request.app[SIM]
     rid = request.match_info["response_id"]
     try:
-        _check_id(st, rid)
-        stored = st.responses.get(rid)
-        if stored is None:
-            raise _not_found(rid)
+        stored = _stored(st, rid)
     except ApiError as err:
         return error_response(st, err)
     return _json(stored.response)
@@ -244,10 +235,7 @@ async def cancel(request: web.Request) -> web.Response:
     st = request.app[SIM]
     rid = request.match_info["response_id"]
     try:
-        _check_id(st, rid)
-        stored = st.responses.get(rid)
-        if stored is None:
-            raise _not_found(rid)
+        stored = _stored(st, rid)
         if stored.response.get("status") not in ("queued", "in_progress"):
             raise ApiError(400, "Cannot cancel a synchronous response.", "invalid_request_error",
                            "response_id" if st.engine_name == "vllm" else None)
