@@ -11,7 +11,8 @@ import orjson
 from gateway.apis import messages
 from gateway.apis import responses as responses_api
 from gateway.apis.bodies import NO_BODY, parse_body
-from gateway.apis.table import ANTHROPIC, BY_RESPONSE_ID, PASSED_HEADERS, response_id_in, route_not_served, upstream_path
+from gateway.apis.table import (ANTHROPIC, BY_RESPONSE_ID, PASSED_HEADERS, response_id_in, route_not_served,
+                                upstream_path)
 from gateway.contracts import (DEFAULT, BackendView, Decision, ReplyTooLarge, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
 from gateway.errors import (GatewayError, bad_request, model_not_found, normalize_engine_error, shutting_down,

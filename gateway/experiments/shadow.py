@@ -148,12 +148,12 @@ async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestSt
     fwd = forwarded_headers(st.ex.headers, PASSED_HEADERS.get(shape.route, ()))
     fwd["x-request-id"] = f"{st.request_id}.shadow"
     fwd["x-shapegate-shadow"] = x.name
-    if shape.route == "responses" and body.get("store") is not False:
-        # Stored, the copy's response would sit on the candidate under an id no client ever learns.
-        body = {**body, "store": False}
-        raw = orjson.dumps(body)
     data = b""  # the copy's reply, compared with the primary's
     try:
+        if shape.route == "responses" and body.get("store") is not False:
+            # Stored, the copy's response would sit on the candidate under an id no client ever learns.
+            body = {**body, "store": False}
+            raw = orjson.dumps(body)
         upstream_body = b.adapter.prepare(shape.route, body, raw, b.models[shape.model], shape.stream)
         call = UpstreamCall(UPSTREAM[shape.route], upstream_body, fwd, shape.stream)
         o, data = await _measure(b, call, shape, cfg.upstream)
