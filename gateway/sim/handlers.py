@@ -1,4 +1,4 @@
-"""Inference routes of a simulated engine: chat and text completions (streamed or not) and embeddings."""
+"""Inference routes of a simulated engine (chat, completions, embeddings) and the entry of every generating route."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 ErrorRender = Callable[[SimState, ApiError, "dict[str, str] | None"], web.Response]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Generating = Callable[[web.Request, SimState], Awaitable[web.StreamResponse]]  # a handler given its engine's state
 
 
 async def apply_entry_faults(st: SimState, render: ErrorRender = error_response) -> web.Response | None:
@@ -52,9 +53,6 @@ async def apply_entry_faults(st: SimState, render: ErrorRender = error_response)
     if st.faults.spec.retry_after_s is not None:
         headers["Retry-After"] = str(int(round(st.faults.spec.retry_after_s)))
     return render(st, ApiError(status, "Simulated fault injected by the engine simulator"), headers)
-
-
-Generating = Callable[[web.Request, SimState], Awaitable[web.StreamResponse]]
 
 
 def generating(render: ErrorRender = error_response) -> Callable[[Generating], Handler]:
