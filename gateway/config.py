@@ -220,6 +220,23 @@ class StateConfig(Strict):
     stored_response_ttl_s: float = Field(86_400.0, gt=0)  # kept this long after it was made (engines forget on restart)
 
 
+class ResponsesConfig(Strict):
+    # "gateway": stored responses and conversations are kept by the gateway (memory, or Redis with [state] backend =
+    # "redis") and every turn is routed like any request; "engine": passed through to the engines that keep them.
+    state: Literal["gateway", "engine"] = "gateway"
+    ttl_s: float = Field(2_592_000.0, gt=0)  # a stored response or conversation is kept this long after its last write
+    max_response_bytes: int = Field(4 << 20, ge=1024)  # one stored response: its input items and the Response object
+    max_per_key: int = Field(10_000, ge=1)  # stored responses per key: past it the key's oldest go first
+    max_bytes_per_key: int = Field(256 << 20, ge=1024)
+    max_total: int = Field(200_000, ge=16)  # stored responses in all: past it the oldest of all go first
+    max_total_bytes: int = Field(1 << 30, ge=1 << 20)
+    max_conversations_per_key: int = Field(10_000, ge=1)  # past it, creating another is refused (409)
+    max_conversation_items: int = Field(10_000, ge=1)  # past it, adding items is refused (400)
+    max_conversation_bytes: int = Field(16 << 20, ge=1024)
+    cache_bytes: int = Field(64 << 20, ge=0)  # with Redis: recent records kept here too (checked, never trusted alone)
+    background_timeout_s: float = Field(600.0, gt=0)  # a `background: true` response runs this long at most
+
+
 class MetricsConfig(Strict):
     enabled: bool = True
     require_admin: bool = False
@@ -312,6 +329,7 @@ class GatewayConfig(Strict):
     health: HealthConfig = HealthConfig()
     admission: AdmissionConfig = AdmissionConfig()
     state: StateConfig = StateConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     metrics: MetricsConfig = MetricsConfig()
     stats: StatsConfig = StatsConfig()
     dashboard: DashboardConfig = DashboardConfig()

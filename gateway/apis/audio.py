@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Any, Final, Mapping
 
+from gateway.apis.api import FORM, Api
 from gateway.errors import bad_request
 
 _BOUNDARY: Final = re.compile(r'boundary="?([^";]{1,200})"?', re.I)
@@ -64,3 +65,19 @@ def with_form_model(raw: bytes, model: str) -> bytes:
     if start < 0 or end < 0:
         return raw
     return raw[:start + 4] + model.encode() + raw[end:]
+
+
+class Audio(Api):
+    """A form's text fields as the body routing reads (`stream` a boolean); the form itself goes on as sent."""
+
+    def parse(self, raw: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
+        fields: dict[str, Any] = check(headers.get("content-type", ""), raw)
+        fields["stream"] = fields.get("stream", "").lower() == "true"
+        return fields
+
+
+_FORM_HEADERS: Final = (("content-type", "Content-Type"),)
+TRANSCRIPTIONS: Final[Api] = Audio("transcriptions", "/v1/audio/transcriptions", "/v1/audio/transcriptions",
+                                   body=FORM, passed_headers=_FORM_HEADERS)
+TRANSLATIONS: Final[Api] = Audio("translations", "/v1/audio/translations", "/v1/audio/translations", body=FORM,
+                                 passed_headers=_FORM_HEADERS)

@@ -10,7 +10,7 @@ import secrets
 import time
 
 from gateway.config import GatewayConfig, KeyLimits
-from gateway.keys.principal import Principal, hash_key, new_key
+from gateway.keys.principal import Principal, hash_key, new_key, principal
 from gateway.keys.storage import (ID_PATTERN, FileKeys, KeyBackend, KeyExists, KeyNotFound, KeyRecord, MemoryKeys,
                                   Records, RedisKeys, StoreUnavailable)
 from gateway.stats.share import STATS_DIR_ENV
@@ -65,7 +65,7 @@ class KeyStore:
         return self.backend.kind
 
     def _swap(self, records: Records) -> None:
-        self.by_digest = {r.sha256: (r.sha256, Principal(r.id, r.admin, r.limits)) for r in records.values()}
+        self.by_digest = {r.sha256: (r.sha256, principal(r.id, r.admin, r.limits, r.sha256)) for r in records.values()}
         self.records = records
         self.generation += 1
 
