@@ -161,7 +161,7 @@ class BackendState:
             return known[2]
         native = self.models.get(public, public)
         why = (f"the engine does not serve {served.model_named(public, native)} ({served.excerpt(detail)}), "
-               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native)}")
+               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native, self.listed)}")
         self.lacks[public] = (native, self.listed, why)
         self.unsupported.setdefault(public, why)  # a support probe's verdict already there stays
         log.warning("backend %s (%s at %s) refused model %s, not routed there until its model list changes: %s",
