@@ -41,7 +41,7 @@ class BackendState:
         self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
-        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
+        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
         self.load: LoadSample | None = None
         self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
         self.reported = EngineLatency()  # the engine's own latency figures, from the same scrapes
