@@ -12,7 +12,7 @@ from backends.http1 import HostPool
 from backends.http1_response import Response
 from backends.slots import Slots
 from gateway.apis.api import FORM, Api
-from gateway.apis.audio import with_form_model
+from gateway.apis.audio import FORM_KEY, forwarded_content_type
 from gateway.apis.registry import ENGINE_APIS
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
 
@@ -128,8 +128,8 @@ class OpenAIHTTPBackend:
     # -- request translation -------------------------------------------------------------------
     def prepare(self, api: Api, body: dict[str, Any], raw: bytes, native_model: str, force_usage: bool) -> bytes:
         """The upstream body: the client's bytes unchanged unless a field must change."""
-        if api.body == FORM:
-            return raw if native_model == body.get("model") else with_form_model(raw, native_model)
+        if api.body == FORM:  # always re-encoded: the engine reads the form the gateway read (gateway/apis/audio.py)
+            return body[FORM_KEY].encode(native_model)
         changes: dict[str, Any] = {}
         if native_model != body.get("model") and "model" in body:
             changes["model"] = native_model
@@ -145,8 +145,12 @@ class OpenAIHTTPBackend:
         return orjson.dumps({**body, **changes})
 
     def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
-        # (a form's own Content-Type, with its boundary, comes as "Content-Type" in client_headers and wins)
+        # (a form's own Content-Type, with its boundary, comes as "Content-Type" in client_headers and wins, written
+        # as the gateway read it: the boundary its form is re-encoded with, no other parameter)
         h = {"Content-Type": "application/json", **client_headers}
+        form_type = client_headers.get("Content-Type")
+        if form_type is not None:
+            h["Content-Type"] = forwarded_content_type(form_type)
         if self._auth:
             h.update(self._auth)
         return h

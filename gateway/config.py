@@ -9,8 +9,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+import policies
 from backends import engine_names
 from gateway.config_base import CLASS_NAMES, Strict
+from gateway.config_errors import did_you_mean, error_lines
 from gateway.config_experiments import ExperimentConfig, ProbeConfig
 
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
@@ -286,7 +288,7 @@ class BackendConfig(Strict):
     def _known_engine(cls, v: str) -> str:
         known = engine_names()
         if v not in known:
-            raise ValueError(f"unknown engine {v!r}; expected one of {', '.join(known)}")
+            raise ValueError(f"unknown engine {v!r}{did_you_mean(v, known)}; expected one of {', '.join(known)}")
         return v
 
     @field_validator("models", mode="before")
@@ -346,50 +348,56 @@ class GatewayConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _unique_backends(self) -> "GatewayConfig":
-        ids = [b.id for b in self.backends]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"backend ids must be unique: {', '.join(dupes)}")
+    def _across_sections(self) -> "GatewayConfig":
+        problems = across_sections(self)
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each: every problem at once
         return self
 
-    @model_validator(mode="after")
-    def _experiments_fit(self) -> "GatewayConfig":
-        served = {b.id: b.models for b in self.backends}
-        names, modes = set(), {}
-        for i, x in enumerate(self.experiments):
-            where = f"experiments.{i}"
-            if x.name in names:
-                raise ValueError(f"{where}.name: experiment names must be unique ({x.name!r} twice)")
-            names.add(x.name)
-            if not any(x.model in m for m in served.values()):
-                raise ValueError(f"{where}.model: no backend serves model {x.model!r}")
-            if (x.model, x.mode) in modes:
-                raise ValueError(f"{where}: model {x.model!r} already has a {x.mode} experiment "
-                                 f"({modes[x.model, x.mode]!r}); one of each mode per model")
-            modes[x.model, x.mode] = x.name
-            for j, arm in enumerate(x.arms):
-                for b in arm.backends:
-                    if b not in served:
-                        raise ValueError(f"{where}.arms.{j}.backends: unknown backend {b!r}")
-                    if x.model not in served[b]:
-                        raise ValueError(f"{where}.arms.{j}.backends: backend {b!r} does not serve {x.model!r}")
-        # A backend that serves a model's split arm must not also be kept out of serving it as a shadow arm.
-        for x in self.experiments:
-            if x.mode != "shadow":
-                continue
-            shadowed = {b for a in x.arms for b in a.backends}
-            for y in self.experiments:
-                if y.mode == "split" and y.model == x.model:
-                    both = sorted(shadowed & {b for a in y.arms for b in a.backends})
-                    if both:
-                        raise ValueError(f"backend {both[0]!r} is an arm of split experiment {y.name!r} and of "
-                                         f"shadow experiment {x.name!r}: an arm cannot be in two modes at once")
-            if all(set(served[b]) and x.model in served[b] and b in shadowed
-                   for b in served if x.model in served[b]):
-                raise ValueError(f"shadow experiment {x.name!r}: every backend of {x.model!r} is a shadow arm; "
-                                 "leave at least one to serve the model")
-        return self
+
+def across_sections(cfg: GatewayConfig) -> list[str]:
+    """What no single section can check: unique backend ids, experiments that fit the backends. Each line names its
+    field (experiments by name)."""
+    problems = []
+    ids = [b.id for b in cfg.backends]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        problems.append(f"backends: ids must be unique: {', '.join(dupes)}")
+    served = {b.id: b.models for b in cfg.backends}
+    models = {m for b in cfg.backends for m in b.models}
+    names, modes = set(), {}
+    for x in cfg.experiments:
+        where = f"experiments[{x.name}]"
+        if x.name in names:
+            problems.append(f"{where}.name: experiment names must be unique ({x.name!r} twice)")
+        names.add(x.name)
+        if x.model not in models:
+            problems.append(f"{where}.model: no backend serves model {x.model!r}{did_you_mean(x.model, models)}")
+        if (x.model, x.mode) in modes:
+            problems.append(f"{where}: model {x.model!r} already has a {x.mode} experiment "
+                            f"({modes[x.model, x.mode]!r}); one of each mode per model")
+        modes.setdefault((x.model, x.mode), x.name)
+        for arm in x.arms:
+            for b in arm.backends:
+                if b not in served:
+                    problems.append(f"{where}.arms[{arm.name}].backends: unknown backend {b!r}{did_you_mean(b, served)}")
+                elif x.model not in served[b]:
+                    problems.append(f"{where}.arms[{arm.name}].backends: backend {b!r} does not serve {x.model!r}")
+    # A backend that serves a model's split arm must not also be kept out of serving it as a shadow arm.
+    for x in cfg.experiments:
+        if x.mode != "shadow":
+            continue
+        shadowed = {b for a in x.arms for b in a.backends}
+        for y in cfg.experiments:
+            if y.mode == "split" and y.model == x.model:
+                both = sorted(shadowed & {b for a in y.arms for b in a.backends})
+                if both:
+                    problems.append(f"backend {both[0]!r} is an arm of split experiment {y.name!r} and of shadow "
+                                    f"experiment {x.name!r}: an arm cannot be in two modes at once")
+        if all(set(served[b]) and x.model in served[b] and b in shadowed for b in served if x.model in served[b]):
+            problems.append(f"shadow experiment {x.name!r}: every backend of {x.model!r} is a shadow arm; leave at "
+                            "least one to serve the model")
+    return problems
 
 
 class ConfigError(ValueError):
@@ -402,22 +410,6 @@ class ConfigError(ValueError):
 PolicyFactory = Callable[[str, Mapping[str, Any]], object]
 
 
-def _error_lines(err: ValidationError, prefix: tuple[str, ...] = ()) -> list[str]:
-    lines = []
-    for e in err.errors():
-        path = ".".join((*prefix, *(str(p) for p in e["loc"]))) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "value_error":
-            msg = str(e.get("ctx", {}).get("error", msg))  # our own words, without pydantic's "Value error, "
-        if not e["loc"] and not prefix and msg.startswith("experiments."):
-            lines.append(f"  {msg}")  # a check across sections names its own field
-        else:
-            lines.append(f"  {path}: {msg}")
-    return lines
-
-
 def _invalid(lines: list[str]) -> ConfigError:
     return ConfigError("invalid configuration:\n" + "\n".join(lines))
 
@@ -428,33 +420,49 @@ def _policy_lines(name: str, params: Mapping[str, Any], where: tuple[str, ...],
     try:
         build(name, params)
     except ValidationError as e:
-        return True, _error_lines(e, (*where, "params"))
+        return True, error_lines(e, {}, GatewayConfig, (*where, "params"))
     except ValueError as e:
-        return False, [f"  {'.'.join((*where, 'policy'))}: {e}"]
+        msg = str(e).replace(repr(name), repr(name) + did_you_mean(name, policies.policy_names()), 1)
+        return False, [f"  {'.'.join((*where, 'policy'))}: {msg}"]
     return True, []
 
 
-def check_policies(cfg: GatewayConfig, build: PolicyFactory) -> None:
-    """Every policy the routing section names exists and takes its params; raises ConfigError with their paths."""
-    r = cfg.routing
+def policy_problems(r: RoutingConfig, build: PolicyFactory) -> list[str]:
+    """Why the policies the routing section names do not build (each with its path); empty when they all do."""
     default_known, lines = _policy_lines(r.policy, r.params, ("routing",), build)
     for model, m in r.models.items():
         if m.policy is None and not default_known:
             continue  # inherits the unknown routing.policy, reported once above
         lines += _policy_lines(m.policy or r.policy, m.params, ("routing", "models", model), build)[1]
+    return lines
+
+
+def check_policies(cfg: GatewayConfig, build: PolicyFactory) -> None:
+    """Every policy the routing section names exists and takes its params; raises ConfigError with their paths."""
+    lines = policy_problems(cfg.routing, build)
     if lines:
         raise _invalid(lines)
 
 
 def parse_config(data: dict[str, Any], policies: PolicyFactory) -> GatewayConfig:
     """The validated configuration, its routing policies and their params included (`policies` builds them:
-    gateway.runtime.build_policy)."""
+    gateway.runtime.build_policy). ConfigError lists every problem found, not only the first."""
     try:
         cfg = GatewayConfig.model_validate(data)
     except ValidationError as e:
-        raise _invalid(_error_lines(e)) from None
+        lines = error_lines(e, data, GatewayConfig)
+        routing = _routing_alone(data)  # its policies are checked too when the section itself is valid
+        raise _invalid(lines + (policy_problems(routing, policies) if routing is not None else [])) from None
     check_policies(cfg, policies)
     return cfg
+
+
+def _routing_alone(data: Any) -> RoutingConfig | None:
+    section = data.get("routing", {}) if isinstance(data, dict) else None
+    try:
+        return RoutingConfig.model_validate(section)
+    except ValidationError:
+        return None  # its errors are among the file's already
 
 
 def load_config(path: str | Path, policies: PolicyFactory) -> GatewayConfig:

@@ -46,7 +46,7 @@ class BackendState:
         self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
-        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
+        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
         self.load: LoadSample | None = None
         self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
         self.reported = EngineLatency()  # the engine's own latency figures, from the same scrapes
@@ -166,7 +166,7 @@ class BackendState:
             return known[2]
         native = self.models.get(public, public)
         why = (f"the engine does not serve {served.model_named(public, native)} ({served.excerpt(detail)}), "
-               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native)}")
+               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native, self.listed)}")
         self.lacks[public] = (native, self.listed, why)
         self.unsupported.setdefault(public, why)  # a support probe's verdict already there stays
         log.warning("backend %s (%s at %s) refused model %s, not routed there until its model list changes: %s",

@@ -5,10 +5,8 @@ another API's shape. Real gateways on loopback, a lax engine that reads no body 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
-import aiohttp
 import anthropic
 import openai
 import orjson

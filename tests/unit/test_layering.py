@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway", "gateway.contracts", "gateway.errors"),  # records, protocols and errors everything shares
     ("gateway.apis",),  # the public APIs: routes, bodies, events and error shapes, one module each
     ("backends", "policies"),  # engine adapters and routing policies: plug-ins on the contracts
-    ("gateway.config_base",),
+    ("gateway.config_base", "gateway.config_errors"),
     ("gateway.config_experiments",),
     ("gateway.config",),
     # the HTTP server (handed its handler: it knows no routing), self-reporting, per-request settings, the
