@@ -4,6 +4,7 @@ against the simulator; `[probe] at_start` keeping a model off a backend."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from http.cookies import SimpleCookie
 
@@ -358,7 +359,27 @@ async def test_admin_probe_ends_within_its_budget(monkeypatch):
     assert checks["completions"]["reason"] == "not tried: the engine timed out on chat"
 
 
-# -- concurrency ---------------------------------------------------------------------------------------------
+# -- concurrency and time ------------------------------------------------------------------------------------
+async def models_list(request: web.Request) -> web.Response:  # the health route of an "openai" engine
+    return web.json_response({"data": []})
+
+
+@contextlib.asynccontextmanager
+async def engine_app(handler):
+    """An "openai" engine on loopback whose every route but its health route is `handler`; yields its URL."""
+    app = web.Application()
+    app.router.add_get("/v1/models", models_list)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_checks_of_a_backend_run_at_most_concurrency_at_once(tmp_path, concurrency):
     """An engine that takes 50 ms over every request: at most `concurrency` are ever inside it at once."""
@@ -373,23 +394,32 @@ async def test_checks_of_a_backend_run_at_most_concurrency_at_once(tmp_path, con
         inside -= 1
         return web.json_response({"error": {"message": "no"}}, status=404)
 
-    async def models(request: web.Request) -> web.Response:  # the health route of an "openai" engine
-        return web.json_response({"data": []})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_route("*", "/{tail:.*}", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with engine_app(slow) as url:
         path = write_config(tmp_path, {**OPEN, "probe": {"concurrency": concurrency}, "backends": [
-            {"id": "slow", "engine": "openai", "url": f"http://127.0.0.1:{port}", "models": ["a", "b"]}]})
+            {"id": "slow", "engine": "openai", "url": url, "models": ["a", "b"]}]})
         status, out, err = await shapegate("probe", "--config", str(path), "--json")
-    finally:
-        await runner.cleanup()
     assert status == 1 and "Traceback" not in err, err
     assert most == concurrency
     rows = orjson.loads(out)["rows"]
     assert [r["checks"]["score"] for r in rows] == [{"verdict": "no", "reason": "HTTP 404: no", "status": 404}] * 2
+
+
+async def test_a_check_of_several_requests_has_the_timeout_for_all_of_them(tmp_path):
+    """Each request within the timeout, the stored-response check's three together not: the check times out."""
+    async def slow_store(request: web.Request) -> web.Response:
+        await request.read()
+        if request.path.startswith("/v1/responses"):
+            await asyncio.sleep(0.7)
+            return web.json_response({"id": "resp_1", "object": "response", "output": []})
+        return web.json_response({"error": {"message": "no"}}, status=404)
+
+    async with engine_app(slow_store) as url:
+        path = write_config(tmp_path, {**OPEN, "probe": {"concurrency": 1}, "backends": [
+            {"id": "slow", "engine": "openai", "url": url, "models": ["m"]}]})
+        status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "1")
+    assert status == 1 and "Traceback" not in err, err
+    (row,) = orjson.loads(out)["rows"]
+    checks = row["checks"]
+    assert checks["responses"] == {"verdict": "yes", "reason": ""}  # one request of 0.7 s: within the second
+    assert checks["response_store"] == {"verdict": "error", "reason": "no whole reply within 1 s"}
+    assert checks["messages"]["reason"] == "not tried: the engine timed out on response_store"
