@@ -30,6 +30,7 @@ from gateway.http.inner import PEER_HEADER, unknown_path
 from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
+from gateway.ops.admin_probe import PROBE_RUNNER, ProbeRunner, probe_report, stop_probe
 from gateway.ops.keys_view import keys_view
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
@@ -154,6 +155,13 @@ async def experiments(request: web.Request) -> web.Response:
     if not signed_in(request):
         request.app[GATEWAY].auth.require_admin(request.headers)
     return await list_experiments(request)
+
+
+async def probe(request: web.Request) -> web.Response:
+    """GET /admin/probe: an admin key or the dashboard's sign-in cookie, as for /stats."""
+    if not signed_in(request):
+        request.app[GATEWAY].auth.require_admin(request.headers)
+    return await probe_report(request)
 
 
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
@@ -340,6 +348,9 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))
+    r.add_get("/admin/probe", guarded(probe, key=False))  # its own check: admin key or cookie
+    app[PROBE_RUNNER] = ProbeRunner()
+    app.on_shutdown.append(stop_probe)
     r.add_get("/admin/keys", guarded(list_keys))
     r.add_post("/admin/keys", guarded(create_key))
     r.add_delete("/admin/keys/{id}", guarded(revoke_key))

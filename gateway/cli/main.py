@@ -268,14 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 0 even when a backend does not answer or does not list a configured model")
     c.set_defaults(func=cmd_check)
 
-    pr = sub.add_parser("probe", help="ask each backend's engine which OpenAI features it supports per model",
-                        description="Validate the configuration (exit 2 if invalid), then try each feature on each "
-                                    "backend's engine directly, for each model it serves, and print the support "
-                                    "matrix. Exit 0 when the checks [probe] require pass everywhere, else 1.")
+    pr = sub.add_parser("probe", help="ask each backend's engine which APIs and chat features it serves per model",
+                        description="Validate the configuration (exit 2 if invalid), then try each API and chat "
+                                    "feature on each backend's engine directly, with a tiny request, for each "
+                                    "model it serves, and print the support matrix with the reason of every no. "
+                                    "Exit 0 when the checks [probe] require pass everywhere, else 1.")
     pr.add_argument("--config", required=True, help="path to the TOML configuration")
     pr.add_argument("--json", action="store_true", help="print the matrix as JSON")
     pr.add_argument("--timeout", type=_seconds, default=None,
-                    help="seconds per engine request (default: [probe] timeout_s)")
+                    help="seconds per check (default: [probe] timeout_s)")
     pr.set_defaults(func=cmd_probe)
     ab_report.add_parser(sub)  # `shapegate ab`: the verdicts of a running gateway's experiments
 
