@@ -36,10 +36,10 @@ local function drop_owned(o, rid)
   local size = tonumber(redis.call('HGET', skey, rid) or '0')
   redis.call('ZREM', okey, rid)
   redis.call('HDEL', skey, rid)
-  redis.call('HINCRBY', skey, '*', -size)
+  redis.call('HINCRBY', skey, '*', 0 - size)
   redis.call('ZREM', aidx, o .. '\\n' .. rid)
   redis.call('HDEL', asize, o .. '\\n' .. rid)
-  redis.call('HINCRBY', asize, '*', -size)
+  redis.call('HINCRBY', asize, '*', 0 - size)
   redis.call('DEL', prefix .. ':' .. o .. ':' .. rid)
 end
 local function expire_old(idx, is_all)
@@ -89,10 +89,10 @@ if redis.call('DEL', KEYS[1]) == 0 then return 0 end
 local size = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-redis.call('HINCRBY', KEYS[3], '*', -size)
+redis.call('HINCRBY', KEYS[3], '*', 0 - size)
 redis.call('ZREM', KEYS[4], ARGV[2] .. '\\n' .. ARGV[1])
 redis.call('HDEL', KEYS[5], ARGV[2] .. '\\n' .. ARGV[1])
-redis.call('HINCRBY', KEYS[5], '*', -size)
+redis.call('HINCRBY', KEYS[5], '*', 0 - size)
 return 1
 """
 

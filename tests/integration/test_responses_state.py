@@ -213,3 +213,125 @@ async def test_models_by_id(gw):
         with pytest.raises(openai.NotFoundError) as e:
             await c.models.retrieve("no-such-model")
         assert e.value.body["code"] == "model_not_found"
+
+
+async def test_a_conversation_of_three_turns_and_its_items(gw):
+    async with client(gw) as c, client(gw, OTHER_KEY) as theirs:
+        conv = await c.conversations.create(metadata={"topic": "weather"},
+                                            items=[{"type": "message", "role": "user", "content": "I live in Oslo."}])
+        assert conv.id.startswith("conv_") and conv.metadata == {"topic": "weather"}
+        for turn in range(3):
+            r = await c.responses.create(model=MODEL, input=f"question {turn}", conversation=conv.id,
+                                         max_output_tokens=6)
+            assert r.conversation.id == conv.id
+        items = [i async for i in c.conversations.items.list(conv.id, order="asc")]
+        roles = [i.role for i in items]
+        assert roles == ["user", "user", "assistant", "user", "assistant", "user", "assistant"]
+        assert items[0].content[0].text == "I live in Oslo." and items[-2].content[0].text == "question 2"
+        page = await c.conversations.items.list(conv.id, limit=2)  # newest first by default
+        assert [i.id for i in page.data] == [items[-1].id, items[-2].id] and page.has_more
+        one = await c.conversations.items.retrieve(items[1].id, conversation_id=conv.id)
+        assert one.id == items[1].id
+        added = await c.conversations.items.create(conv.id, items=[{"role": "user", "content": "by hand"}])
+        assert added.data[0].content[0].text == "by hand"
+        await c.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+        assert len([i async for i in c.conversations.items.list(conv.id)]) == 7
+        updated = await c.conversations.update(conv.id, metadata={"topic": "rain"})
+        assert updated.metadata == {"topic": "rain"}
+        for call in (lambda: theirs.conversations.retrieve(conv.id),
+                     lambda: theirs.conversations.items.list(conv.id),
+                     lambda: theirs.responses.create(model=MODEL, input="x", conversation=conv.id)):
+            with pytest.raises(openai.NotFoundError) as e:
+                await call()
+            assert e.value.body["code"] == "conversation_not_found"
+        deleted = await c.conversations.delete(conv.id)
+        assert deleted.deleted is True
+        with pytest.raises(openai.NotFoundError):
+            await c.conversations.retrieve(conv.id)
+
+
+async def test_conversation_bounds_are_refusals_never_a_shorter_history(sims):
+    gw = await start_gateway(config(sims, only=("vllm",), responses={"max_conversation_items": 4}))
+    try:
+        async with client(gw) as c:
+            conv = await c.conversations.create()
+            r = await c.responses.create(model=MODEL, input="one", conversation=conv.id, max_output_tokens=2)
+            await c.responses.create(model=MODEL, input="two", conversation=conv.id, max_output_tokens=2)
+            with pytest.raises(openai.BadRequestError) as e:  # 4 items held: a fifth cannot be added
+                await c.responses.create(model=MODEL, input="three", conversation=conv.id, max_output_tokens=2)
+            assert e.value.body["code"] == "conversation_full"
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.conversations.items.create(conv.id, items=[{"role": "user", "content": "more"}])
+            assert e.value.body["code"] == "conversation_full"
+            assert len([i async for i in c.conversations.items.list(conv.id)]) == 4
+            assert r.conversation.id == conv.id
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.conversations.create(items=[{"role": "user", "content": str(i)} for i in range(21)])
+            assert e.value.body["code"] == "too_many_items"
+    finally:
+        await gw.stop()
+
+
+async def test_an_evicted_earlier_turn_is_a_404_naming_it(sims):
+    gw = await start_gateway(config(sims, only=("vllm",), responses={"max_per_key": 3}))
+    try:
+        async with client(gw) as c:
+            ids, prev = [], None
+            for turn in range(3):
+                r = await c.responses.create(model=MODEL, input=f"turn {turn}", previous_response_id=prev,
+                                             max_output_tokens=2)
+                ids.append(r.id)
+                prev = r.id
+            await c.responses.create(model=MODEL, input="unrelated", max_output_tokens=2)  # the 4th: turn 0 goes
+            with pytest.raises(openai.NotFoundError) as e:
+                await c.responses.create(model=MODEL, input="go on", previous_response_id=ids[-1])
+            assert ids[0] in e.value.body["message"] and "earlier turn" in e.value.body["message"]
+            assert (await c.responses.retrieve(ids[-1])).id == ids[-1]  # the last turn itself is still there
+    finally:
+        await gw.stop()
+
+
+async def test_an_input_larger_than_a_stored_response_may_be_is_a_400(sims):
+    gw = await start_gateway(config(sims, only=("vllm",), responses={"max_response_bytes": 2048}))
+    try:
+        async with client(gw) as c:
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.responses.create(model=MODEL, input="x" * 4000, max_output_tokens=2)
+            assert e.value.body["code"] == "response_too_large"
+            r = await c.responses.create(model=MODEL, input="x" * 4000, store=False, max_output_tokens=2)
+            assert r.output_text is not None  # not stored: nothing to bound
+    finally:
+        await gw.stop()
+
+
+async def test_two_replicas_on_one_redis_continue_each_others_chains_and_conversations(sims):
+    import uuid
+    state = {"backend": "redis", "key_prefix": f"test-{uuid.uuid4().hex[:8]}:"}
+    a = await start_gateway(config(sims, state=state))
+    b = await start_gateway(config(sims, state=state))
+    try:
+        async with client(a) as ca, client(b) as cb, client(b, OTHER_KEY) as other:
+            prev = None
+            for turn in range(4):  # the turns alternate replicas: each continues what the other recorded
+                c = ca if turn % 2 == 0 else cb
+                r = await c.responses.create(model=MODEL, input=f"turn {turn}", previous_response_id=prev,
+                                             max_output_tokens=4, stream=turn == 3)
+                if turn == 3:
+                    async for ev in r:
+                        if ev.type == "response.completed":
+                            prev = ev.response.id
+                else:
+                    prev = r.id
+            items = [i async for i in ca.responses.input_items.list(prev, order="asc", limit=100)]
+            assert [i.content[0].text for i in items if i.role == "user"] == [f"turn {t}" for t in range(4)]
+            with pytest.raises(openai.NotFoundError):
+                await other.responses.retrieve(prev)
+            conv = await ca.conversations.create()
+            await cb.responses.create(model=MODEL, input="on b", conversation=conv.id, max_output_tokens=2)
+            await ca.responses.create(model=MODEL, input="on a", conversation=conv.id, max_output_tokens=2)
+            texts = [i.content[0].text async for i in cb.conversations.items.list(conv.id, order="asc")
+                     if i.role == "user"]
+            assert texts == ["on b", "on a"]
+    finally:
+        await a.stop()
+        await b.stop()
