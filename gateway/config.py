@@ -236,6 +236,8 @@ class ResponsesConfig(Strict):
     max_conversation_items: int = Field(10_000, ge=1)  # past it, adding items is refused (400)
     max_conversation_bytes: int = Field(16 << 20, ge=1024)
     cache_bytes: int = Field(64 << 20, ge=0)  # with Redis: recent records kept here too (checked, never trusted alone)
+    # One Redis call of the store (a turn's record is written before its final event: a slow moment must not lose it)
+    store_timeout_s: float = Field(2.0, gt=0)
     background_timeout_s: float = Field(600.0, gt=0)  # a `background: true` response runs this long at most
 
 

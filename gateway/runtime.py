@@ -224,7 +224,9 @@ class Gateway:
         h["x-shapegate-backend"] = st.backend
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
-            h[ARM_HEADER] = arm_of(st)
+            arm = arm_of(st)
+            if arm:  # (after a failover outside the experiment's arms, the request served no arm: no header)
+                h[ARM_HEADER] = arm
         return h  # a key with limits: its x-ratelimit headers follow as lines (RequestState.limit_lines)
 
     # -- record stage ----------------------------------------------------------------------------

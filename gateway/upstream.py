@@ -162,10 +162,12 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             if status in (401, 403):
                 b.refused_credentials(status, time.monotonic())  # the gateway's key, not the client's
                 raise Retryable(credentials_refused(b))
-            if status == 404 and not api.everywhere and not api.by_id and (
+            if not api.everywhere and not api.by_id and (status == 501 or status == 404 and (
                     err.message.strip().lower() in UNKNOWN_PATH_MESSAGES
-                    or raw_error.strip().lower() in UNKNOWN_PATH_BODIES):
-                engine_ok = True  # a build without this API: the engine is sound, the route goes elsewhere
+                    or raw_error.strip().lower() in UNKNOWN_PATH_BODIES)):
+                # A build or a launch without this API (a 404 for the path; llama.cpp's 501 for embeddings or
+                # rerank without their flags): the engine is sound, the route goes elsewhere.
+                engine_ok = True
                 b.refused_route(api.name, call.path, err.message)
                 raise Retryable(route_not_served(shape.model, api))
             retry = charge_engine_error(b, err, reply.headers, cfg.health, shape.model)
@@ -178,6 +180,8 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
             b.accepted_credentials()
         drop = b.private_fields  # the engine's own reply fields, unless kept: none on most engines
         rename = DroppingModelRewrite(shape.model, drop) if drop else ModelRewrite(shape.model)
+        if drop and st.turn is not None:
+            st.turn.private = tuple(f.decode().strip('"') for f in drop)  # not kept with the response either
         if secret is not None:
             rename = Scrubbing(rename, secret)
         if shape.stream:

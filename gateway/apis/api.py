@@ -118,6 +118,11 @@ class Api:
         """The output cap the client set, if any."""
         return None
 
+    def fit_parts(self, body: Mapping[str, Any]) -> tuple[list[str], int] | None:
+        """The largest part of the input an engine runs at once, where it runs it in parts (rerank and score: a
+        query-document pair); None: the whole prompt must fit the context window."""
+        return None
+
     def session(self, body: Mapping[str, Any]) -> str | None:
         """A session id the body carries (the `x-session-id` header comes first, read by the caller)."""
         return None

@@ -21,6 +21,6 @@ class Embeddings(Api):
         return session_fields(body)
 
 
-# Its attempts teach a backend's latency model too (prefill speed), as they always have.
-EMBEDDINGS: Final[Api] = Embeddings("embeddings", "/v1/embeddings", "/v1/embeddings", learns=True, everywhere=True,
-                                    shadow=True)
+# Its attempts teach a backend's latency model too (prefill speed), as they always have. Served only by an engine
+# with an embedding model (or launched to embed): one that answers the path 404, or 501, is learned at run time.
+EMBEDDINGS: Final[Api] = Embeddings("embeddings", "/v1/embeddings", "/v1/embeddings", learns=True, shadow=True)

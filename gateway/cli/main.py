@@ -96,6 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if port == 0:
         raise fail("--workers needs a fixed port (each worker binds it with SO_REUSEPORT)")
     check_listen(host, port)  # a taken port is one line here, not one refusal per worker
+    if cfg.responses.state == "gateway" and cfg.state.backend == "memory":
+        logging.getLogger("shapegate").warning(
+            "stored responses and conversations are kept in each worker's memory: a chain continues only on the "
+            "worker that recorded it; set [state] backend = \"redis\" so that %d workers share them", args.workers)
     from gateway.ops.workers import run_workers
 
     def worker() -> int:

@@ -77,6 +77,9 @@ def classify(*, api: Api, body: Mapping[str, Any], session: str | None, principa
     else:  # only the size matters: the prompt is not copied into one string
         text, (chars, n_messages) = "", prompt_size(api, body)
     prompt_tokens = chars // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * n_messages + 1
+    pair = api.fit_parts(body)  # (rerank, score: each pair must fit the window, not all of them together)
+    fit_tokens = prompt_tokens if pair is None else \
+        sum(map(len, pair[0])) // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * pair[1] + 1
     asked = api.requested_output(body) if generates else None
     if not generates:
         output = 0
@@ -101,4 +104,4 @@ def classify(*, api: Api, body: Mapping[str, Any], session: str | None, principa
                                cfg.prefix_block_chars, cfg.max_prefix_blocks)
     return RequestShape(model=model, route=api.name, stream=stream, prompt_tokens=prompt_tokens,
                         output_tokens=output, klass=klass, principal=principal,
-                        session_id=session, prefix_hashes=hashes, max_output=asked)
+                        session_id=session, prefix_hashes=hashes, max_output=asked, fit_tokens=fit_tokens)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Final
+from typing import Awaitable, Callable, Final
 
 import orjson
 from redis import asyncio as redis_asyncio
@@ -29,6 +29,7 @@ from gateway.fleet.pool import BackendState, Pool
 
 log = logging.getLogger("shapegate")
 
+WRITE_TRIES: Final = 2
 SECOND_LOOK_S: Final = 0.05  # a Redis miss is asked again after this: the write may still be on its way
 _SEP: Final = "\n"  # between the record's fields: none of them can hold one (ids and model names are checked)
 
@@ -87,7 +88,8 @@ class StoredResponses:
         rec = StoredResponse(backend, model, time.monotonic())
         self._put((owner, response_id), rec)
         if self._redis is not None:
-            self._background(self._redis.set(self._key(owner, response_id), rec.encode(), ex=max(int(self.ttl_s), 1)))
+            redis, key, data = self._redis, self._key(owner, response_id), rec.encode()
+            self._background(lambda: redis.set(key, data, ex=max(int(self.ttl_s), 1)))
 
     def remember_reply(self, data: bytes, backend: str, owner: str, model: str) -> None:
         """The id of a non-streamed Response an engine stored (of an id's form, else not kept)."""
@@ -110,7 +112,8 @@ class StoredResponses:
         """A response deleted on its engine."""
         self._local.pop((owner, response_id), None)
         if self._redis is not None:
-            self._background(self._redis.delete(self._key(owner, response_id)))
+            redis, key = self._redis, self._key(owner, response_id)
+            self._background(lambda: redis.delete(key))
 
     async def find(self, owner: str, response_id: str) -> StoredResponse | None:
         """The record of an owner's response id: this process's, else Redis's (asked twice on a miss)."""
@@ -153,14 +156,17 @@ class StoredResponses:
         while len(local) > self.max_entries:
             local.popitem(last=False)
 
-    def _background(self, coro) -> None:
+    def _background(self, call: Callable[[], Awaitable[object]]) -> None:
         async def run() -> None:
-            try:
-                async with asyncio.timeout(self._timeout * 4):
-                    await coro
-            except (RedisError, OSError, TimeoutError) as e:
-                self.redis_errors += 1
-                log.warning("stored responses: Redis did not take a write (%s)", type(e).__name__)
+            for attempt in range(WRITE_TRIES):  # a write lost would lose a chain: one more try on a slow moment
+                try:
+                    async with asyncio.timeout(self._timeout * 4):
+                        await call()
+                    return
+                except (RedisError, OSError, TimeoutError) as e:
+                    if attempt + 1 == WRITE_TRIES:
+                        self.redis_errors += 1
+                        log.warning("stored responses: Redis did not take a write (%s)", type(e).__name__)
         task = asyncio.get_running_loop().create_task(run())
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

@@ -11,7 +11,8 @@ import orjson
 def encode_record(status: str, prev: str | None, chain: list[str], conversation: str | None,
                   items: list[dict[str, Any]], response: dict[str, Any]) -> bytes:
     """The record of a response: its status (first, so the store reads it without parsing), the responses it
-    continues (`chain`: all before `prev`, oldest first), its conversation, its own input items and the Response."""
+    continues (`chain`: every response before it, oldest first, `prev` last), its conversation, its own input items
+    and the Response."""
     return orjson.dumps({"status": status, "prev": prev, "chain": chain, "conversation": conversation,
                          "input": items, "response": response})
 

@@ -158,7 +158,7 @@ return redis.call('DEL', KEYS[1])
 
 
 class RedisStore:
-    """The store in Redis (see the module's docstring). Every call is bounded by [state] redis_timeout_s; a Redis
+    """The store in Redis (see the module's docstring). Every call is bounded by [responses] store_timeout_s; a Redis
     that does not answer raises (redis.exceptions.RedisError, OSError, TimeoutError) for the caller to judge."""
 
     kind = "redis"
@@ -166,8 +166,8 @@ class RedisStore:
     def __init__(self, cfg: ResponsesConfig, state: StateConfig) -> None:
         self.cfg = cfg
         self.prefix = state.key_prefix
-        self.client = redis_asyncio.Redis.from_url(state.redis_url, socket_timeout=state.redis_timeout_s,
-                                                   socket_connect_timeout=state.redis_timeout_s)
+        self.client = redis_asyncio.Redis.from_url(state.redis_url, socket_timeout=cfg.store_timeout_s,
+                                                   socket_connect_timeout=cfg.store_timeout_s)
         self._put = self.client.register_script(_PUT)
         self._delete = self.client.register_script(_DELETE)
         self._create_conv = self.client.register_script(_CREATE_CONVERSATION)

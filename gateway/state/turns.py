@@ -35,7 +35,8 @@ class Turn:
     """One create (or input_tokens) request with gateway-kept state; see the module's docstring."""
 
     __slots__ = ("id", "owner", "model", "created_at", "prev", "chain", "conversation", "store", "background",
-                 "items", "body", "session", "engine_id", "_store", "_cache", "max_bytes", "errors", "holds", "_final")
+                 "items", "body", "session", "engine_id", "_store", "_cache", "max_bytes", "errors", "holds", "_final",
+                 "private")
     marks: Final = OBJECT_EVENTS  # a stream's events that carry the Response object: rewritten
 
     def __init__(self, owner: str, body: dict[str, Any], prev: str | None, chain: list[str],
@@ -46,7 +47,7 @@ class Turn:
         self.model = body["model"]
         self.created_at = int(time.time())
         self.prev = prev
-        self.chain = chain  # the ids before prev, oldest first: every response this one's input holds
+        self.chain = chain  # every response before this one, oldest first (prev last): what its input holds
         self.conversation = conversation
         self.store = body.get("store") is not False
         self.background = body.get("background") is True
@@ -62,6 +63,7 @@ class Turn:
         # A stream's final event waits until the turn is recorded (only when there is something to record).
         self.holds = FINAL_EVENTS if self.keeps else ()
         self._final: dict[str, Any] | None = None
+        self.private: tuple[str, ...] = ()  # the serving engine's own reply fields: neither relayed nor kept
 
     # -- a stream's events (gateway/routing/typed_relay.py's Watcher) ------------------------------------------------
     @property
@@ -105,6 +107,9 @@ class Turn:
         if self.engine_id is None and isinstance(eid, str) and eid and eid != self.id:
             self.engine_id = eid.encode()
         resp["id"] = self.id
+        resp["model"] = self.model  # the public name, as the client sent it (and as it is kept)
+        for name in self.private:
+            resp.pop(name, None)
         resp["store"] = self.store
         resp["previous_response_id"] = self.prev
         if self.conversation is not None:

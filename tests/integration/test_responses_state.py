@@ -335,3 +335,45 @@ async def test_two_replicas_on_one_redis_continue_each_others_chains_and_convers
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_an_engine_that_answers_a_route_501_is_no_candidate_for_it_from_then_on():
+    """llama.cpp without --embeddings answers /v1/embeddings with 501: the request fails over at once, and the
+    route is not sent there again (as for a 404 of the path)."""
+    llama = await start_sim(SimOptions(engine="llamacpp", model=MODEL))
+    vllm = await start_sim(SimOptions(engine="vllm", model=MODEL, serves=frozenset({"embeddings"})))
+    gw = await start_gateway(gateway_config([{"id": "llama", "engine": "llamacpp", "url": llama.url, "models": [MODEL]},
+                                             {"id": "vllm", "engine": "vllm", "url": vllm.url, "models": [MODEL]}],
+                                            routing={"policy": "round_robin"}))
+    try:
+        async with client(gw) as c:
+            for _ in range(4):
+                raw = await c.embeddings.with_raw_response.create(model=MODEL, input="hello")
+                assert raw.headers["x-shapegate-backend"] == "vllm" and raw.parse().data[0].embedding
+        assert "embeddings" in gw.state.pool.get("llama").unserved
+    finally:
+        await gw.stop()
+        await llama.close()
+        await vllm.close()
+
+
+async def test_rerank_fits_each_query_document_pair_not_all_of_them_together():
+    """400 documents of about 400 tokens: each pair fits a 2,048-token window, all of them together would not."""
+    vllm = await start_sim(SimOptions(engine="vllm", model=MODEL, max_model_len=2048,
+                                      serves=frozenset({"rerank", "score"})))
+    gw = await start_gateway(gateway_config([{"id": "vllm", "engine": "vllm", "url": vllm.url, "models": [MODEL]}]))
+    docs = [f"document {i}" + " word" * 400 for i in range(400)]
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/rerank", json={"model": MODEL, "query": "which one?", "documents": docs},
+                                 headers={"Authorization": f"Bearer {USER_KEY}"}) as r:
+                body = await r.json()
+                assert r.status == 200, body
+                assert len(body["results"]) == 400
+            one_too_long = [" word" * 6000]  # its pair alone is past the window, even at the low estimate
+            async with http.post(gw.url + "/v1/rerank", json={"model": MODEL, "query": "q", "documents": one_too_long},
+                                 headers={"Authorization": f"Bearer {USER_KEY}"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+    finally:
+        await gw.stop()
+        await vllm.close()
