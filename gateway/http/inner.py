@@ -70,8 +70,8 @@ class InnerRoutes:
         try:
             body = await ex.read()
         except GatewayError as err:  # too large, or too slow
-            return ex.reply(err.status, {"x-request-id": request_id, "x-shapegate-backend": "",
-                                         "x-shapegate-reason": err.code or "refused", **err.headers}, err.body())
+            return ex.reply(err.status, {"x-request-id": request_id, "x-shapegate-reason": err.code or "refused",
+                                         **err.headers}, err.body())
         headers = [(k, v) for k, v in ex.headers.items() if k not in HOP_BY_HOP]
         headers.append(("x-request-id", request_id))
         peer = ex.conn.transport.get_extra_info("peername")

@@ -17,12 +17,15 @@ import redis.asyncio as redis_asyncio
 from gateway.config import ResponsesConfig, StateConfig
 from gateway.state.store import CONVERSATION, FULL, MISSING, OK, RESPONSE
 
-# KEYS: record, owner index, owner sizes, all index, all sizes. ARGV: id, data, ttl_ms, now_ms, max per key,
+# KEYS: record, owner index, owner sizes, all index, all sizes. ARGV: id, data, ttl_ms, (unused), max per key,
 # max bytes per key, max in all, max bytes in all, owner, record prefix ("<prefix>resp:"), statuses ("" or a list
 # of statuses separated by spaces: replace only a record whose status is one of them).
 _PUT: Final = """
 local rec, oidx, osize, aidx, asize = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, data, ttl, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local id, data, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+-- The indexes' scores: the server's clock in microseconds, so that writes keep their order (one script at a time)
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local maxn, maxb, maxan, maxab = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local owner, prefix, statuses = ARGV[9], ARGV[10], ARGV[11]
 if statuses ~= "" then
@@ -43,7 +46,7 @@ local function drop_owned(o, rid)
   redis.call('DEL', prefix .. ':' .. o .. ':' .. rid)
 end
 local function expire_old(idx, is_all)
-  local old = redis.call('ZRANGEBYSCORE', idx, '-inf', now - ttl, 'LIMIT', 0, 64)
+  local old = redis.call('ZRANGEBYSCORE', idx, '-inf', now - ttl * 1000, 'LIMIT', 0, 64)
   for _, m in ipairs(old) do
     if is_all then
       local nl = string.find(m, '\\n', 1, true)
