@@ -71,8 +71,13 @@ class MemoryStore:
         self._rows = 0
         self._max_rows = max_rows
         self.dropped_hours = 0  # hours dropped early to keep within max_rows
+        self._applied: collections.deque[str] = collections.deque(maxlen=1024)  # the last batches' ids
 
     async def add(self, batch: Batch, retention_days: int, batch_id: str = "") -> None:
+        if batch_id:
+            if batch_id in self._applied:
+                return
+            self._applied.append(batch_id)
         for row, counts in batch.items():
             hour = self._hours.setdefault(row[0], {})
             have = hour.get(row)
