@@ -100,3 +100,16 @@ def test_times_a_client_may_give(text, seconds):
 def test_times_that_are_not(text):
     with pytest.raises(ValueError):
         parse_time(text, now=0.0)
+
+
+def test_a_reload_keeps_the_ledger_switch_and_traces_until_a_restart():
+    from gateway.config import parse_config
+    from gateway.ops.reload import plan
+    from gateway.runtime import build_policy
+
+    base = {"auth": {"enabled": False}, "backends": [{"id": "a", "engine": "vllm", "url": "http://x:1",
+                                                      "models": ["m"]}]}
+    old = parse_config(base, build_policy)
+    new = parse_config({**base, "usage": {"enabled": False, "retention_days": 7},
+                        "observe": {"traces": True}}, build_policy)
+    assert plan(old, new).restart_needed == ["usage.enabled", "observe"]
