@@ -1,0 +1,190 @@
+"""What the usage ledger costs: CPU per request of the gateway as it was before it (a git revision) beside the work
+tree's with the ledger on and traces off, both on Redis state, driven by wrk in one run, the order alternating.
+
+Two gateway processes per side (started before, after, after, before), each on its own key prefix of one
+redis-server started for the run, in front of one benchmarks/fast_engine.py. Each (kind, concurrency, round) drives
+the four in turn, the order rotating by one each round; CPU per request is a gateway process's user + system time
+from /proc over the requests wrk completed, averaged over the two processes of a side. Writes
+results/usage_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import kit
+from benchmarks.loopback import free_port
+
+SLOTS = (("before", 1), ("after", 1), ("after", 2), ("before", 2))
+
+
+def baseline_ref() -> str:
+    """Today's gateway: where this branch left main (the commit before the ledger)."""
+    return kit.git("merge-base", "HEAD", "main").strip() or "main"
+
+
+def start_redis(procs: list[subprocess.Popen]) -> str:
+    port = free_port()
+    procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                                  **kit.QUIET))
+    deadline = time.monotonic() + 10
+    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG":
+        if time.monotonic() > deadline:
+            raise SystemExit("redis-server did not start")
+        time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def start_stack(tmp: Path, before: Path, procs: list) -> dict:
+    engine = kit.start_engine(procs)
+    redis_url = start_redis(procs)
+    gws = {}
+    for side, n in SLOTS:
+        # One file per process, only the key prefix differs: the same [state] for both sides, no [usage] section
+        # (the ledger's defaults: on, flushed every second), traces off (their default), no access log.
+        state = f'[state]\nbackend = "redis"\nredis_url = "{redis_url}"\nkey_prefix = "bench-{side}-{n}:"\n'
+        cfg = kit.gateway_config(tmp / f"{side}-{n}.toml", engine, access_log=False, stats=True, sections=state)
+        base, proc = kit.start_gateway(cfg, procs, tree=before if side == "before" else None, timeout=30.0,
+                                       **kit.QUIET)
+        gws[(side, n)] = (proc.pid, base + "/v1/chat/completions")
+    return gws
+
+
+def drive(args, gws: dict, script: str) -> list[dict]:
+    for slot in SLOTS:  # warm every process before measuring any
+        for kind in args.kinds:
+            kit.run_wrk(gws[slot][1], kit.BODIES[kind], 4, 1.0, script)
+    points = []
+    for kind in args.kinds:
+        for conc in args.concurrency:
+            for rnd in range(args.rounds):
+                for pos in range(len(SLOTS)):
+                    slot = SLOTS[(pos + rnd) % len(SLOTS)]
+                    pid, url = gws[slot]
+                    c0 = kit.cpu_seconds(pid)
+                    r = kit.run_wrk(url, kit.BODIES[kind], conc, args.seconds, script)
+                    cpu = kit.cpu_seconds(pid) - c0
+                    r.update(kind=kind, conc=conc, round=rnd, side=slot[0], proc=slot[1], position=pos,
+                             rps=r["requests"] / (r["duration_us"] / 1e6), cpu_per_req_us=cpu / r["requests"] * 1e6)
+                    points.append(r)
+                    print(json.dumps(r), flush=True)
+    return points
+
+
+def in_process(n: int = 200_000, repeats: int = 5) -> dict:
+    """Microseconds per request of what the ledger adds on a request's way out (Ledger.served), and per row of a
+    flush to the memory store; best of `repeats` (the least disturbed)."""
+    from gateway.contracts import Outcome, RequestShape
+    from gateway.stats.ledger import Ledger
+    from gateway.stats.ledger_store import Flusher, MemoryStore
+
+    shape = RequestShape("bench", "chat", False, 8, 16, "default", "bench")
+    o = Outcome("engine", shape, True, 200, prompt_tokens=8, completion_tokens=16)
+    ledger = Ledger()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            ledger.served("bench", "bench", "chat", o)
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    flusher = Flusher(ledger, MemoryStore())
+    rows = 1000
+    for i in range(rows):
+        ledger.served(f"k{i}", "bench", "chat", o)
+    t = time.perf_counter()
+    asyncio.run(flusher.flush(90))
+    return {"served_us": best, "flush_per_row_us": (time.perf_counter() - t) / rows * 1e6}
+
+
+def table(points: list[dict]) -> tuple[str, list[float]]:
+    lines = ["| kind | conc | CPU/req before us | CPU/req after us | after/before (median, range) | "
+             "same-side processes (median, range) | req/s before | req/s after |", "|---|---|---|---|---|---|---|---|"]
+    ratios_all = []
+    for kind, conc in sorted({(p["kind"], p["conc"]) for p in points}, key=lambda k: (k[0] != "nonstream", k[1])):
+        cpu = {(p["side"], p["proc"], p["round"]): p["cpu_per_req_us"] for p in points
+               if (p["kind"], p["conc"]) == (kind, conc)}
+        rounds = sorted({k[2] for k in cpu})
+        side = {s: [(cpu[(s, 1, r)] + cpu[(s, 2, r)]) / 2 for r in rounds] for s in ("before", "after")}
+        ratios = [a / b for a, b in zip(side["after"], side["before"])]
+        ratios_all += ratios
+        control = [cpu[(s, 1, r)] / cpu[(s, 2, r)] for s in ("before", "after") for r in rounds]
+        rps = {s: kit.median_spread([p["rps"] for p in points if (p["kind"], p["conc"], p["side"]) == (kind, conc, s)])
+               for s in ("before", "after")}
+        lines.append(f"| {kind} | {conc} | {kit.pm(kit.median_spread(side['before']), '.0f')} | "
+                     f"{kit.pm(kit.median_spread(side['after']), '.0f')} | {kit.span(ratios, '.3f')} | "
+                     f"{kit.span(control, '.3f')} | {kit.pm(rps['before'])} | {kit.pm(rps['after'])} |")
+    return "\n".join(lines), ratios_all
+
+
+REPORT = """# Usage ledger overhead
+
+CPU per request of the gateway before the usage ledger (`{before}`, today's) and with it (the work tree at
+`{commit}`: the ledger on, flushed to Redis every second; traces off), side by side in one run.
+
+{run_line}.
+
+Setup: one `benchmarks/fast_engine.py`, one redis-server started for the run, and four gateway processes, two per
+side (started before, after, after, before), all with `[state] backend = "redis"` (a key prefix each), the
+access log off and stats on; `wrk` drives one at a time for {seconds:g} s, {rounds} rounds per kind and
+concurrency, the order rotating by one each round. CPU per request: the gateway process's user + system time from
+/proc over the requests wrk completed, averaged over the two processes of a side; medians of the rounds with
+their spread ((max-min)/median); after/before is the median of the per-round ratios and their range. The control
+column is the ratio between the two processes of one side: what placement and noise alone produce.
+
+{table}
+
+Over every kind and concurrency the after/before ratios have a median of {median:.3f} (range {low:.3f}-{high:.3f}).
+
+In process (best of 5 x 200,000 calls): counting a request in the ledger (`Ledger.served`, on its way out) takes
+{served:.2f} us; a flush costs {flush:.2f} us per row (a row is one key, model, API and backend in a second, not
+one request).
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--kinds", nargs="+", default=["nonstream", "stream"])
+    p.add_argument("--baseline", help="the revision of today's gateway (default: where this branch left main)")
+    p.add_argument("--out", default=str(kit.RESULTS / "usage_overhead"))
+    args = p.parse_args()
+    prov = kit.provenance()
+    results: dict = {"conditions": {**prov, "seconds": args.seconds, "rounds": args.rounds, "cpus": os.cpu_count(),
+                                    "concurrency": args.concurrency, "kinds": args.kinds, "wrk": kit.wrk_version(),
+                                    "command": kit.command("benchmarks.usage_overhead")}}
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        try:
+            before = tmp / "before"
+            results["conditions"]["before"] = kit.export_revision(args.baseline or baseline_ref(), before)
+            gws = start_stack(tmp, before, procs)
+            results["points"] = drive(args, gws, kit.wrk_script(tmp))
+        finally:
+            kit.stop_all(procs)
+    results["conditions"]["load_after"] = os.getloadavg()
+    results["in_process"] = in_process()
+    text, ratios = table(results["points"])
+    c = results["conditions"]
+    report = REPORT.format(before=c["before"], commit=c["commit"], run_line=kit.run_line(c), seconds=args.seconds,
+                           rounds=args.rounds, table=text, median=statistics.median(ratios), low=min(ratios),
+                           high=max(ratios), served=results["in_process"]["served_us"],
+                           flush=results["in_process"]["flush_per_row_us"])
+    print(report)
+    kit.write_result(Path(args.out), results, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
