@@ -30,6 +30,7 @@ MAX_MEMORY_ROWS = 500_000  # rows the memory store keeps; past it, its oldest ho
 MAX_WAITING_ROWS = 200_000  # rows of batches Redis has not taken yet; past it, the oldest batch is lost
 MARK_TTL_S = 3600  # how long an applied batch's id is remembered (a batch is retried within it)
 MAX_COUNT = 2 ** 62  # a count read from the store past this is not a count
+READ_TIMEOUT_S = 10.0  # a report's read (an admin's request, days of hashes): longer than a flush may take
 
 
 class UsageStore(Protocol):
@@ -156,6 +157,8 @@ class RedisStore:
         self._client = redis_asyncio.Redis.from_url(state.redis_url, socket_timeout=state.redis_timeout_s,
                                                     socket_connect_timeout=state.redis_timeout_s)
         self._apply = self._client.register_script(_APPLY)
+        self._reader = redis_asyncio.Redis.from_url(state.redis_url, socket_timeout=READ_TIMEOUT_S,
+                                                    socket_connect_timeout=state.redis_timeout_s)
 
     def hash_key(self, hour: int) -> str:
         return f"{self._prefix}{hour}"
@@ -186,8 +189,8 @@ class RedisStore:
         hours = list(range(first_hour, last_hour + 1))
         out: Batch = {}
         try:
-            async with asyncio.timeout(self._timeout * 4 + len(hours) * 0.001):
-                async with self._client.pipeline(transaction=False) as p:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                async with self._reader.pipeline(transaction=False) as p:
                     for h in hours:
                         p.hgetall(self.hash_key(h))
                     replies = await p.execute()
@@ -208,6 +211,7 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._client.aclose()
+        await self._reader.aclose()
 
 
 class Flusher:
