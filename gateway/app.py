@@ -37,8 +37,8 @@ from gateway.pipeline import serve_api
 from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.routing.request import Exchange
 from gateway.runtime import GATEWAY, Gateway, stats_report
-from gateway.stats.merge import fold_counters, replicas_report, take_summary
 from gateway.stats.ledger_store import flush_loop
+from gateway.stats.merge import fold_counters, replicas_report, take_summary
 from gateway.stats.share import share_loop
 
 log = logging.getLogger("shapegate")
