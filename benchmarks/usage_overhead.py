@@ -130,7 +130,7 @@ REPORT = """# Usage ledger overhead
 CPU per request of the gateway before the usage ledger (`{before}`, today's) and with it (the work tree at
 `{commit}`: the ledger on, flushed to Redis every second; traces off), side by side in one run.
 
-{run_line}.
+{run_line}. Before it started, others kept {busy} cores busy (waited {waited:g} s for a quieter machine).
 
 Setup: one `benchmarks/fast_engine.py`, one redis-server started for the run, and four gateway processes, two per
 side (started before, after, after, before), all with `[state] backend = "redis"` (a key prefix each), the
@@ -159,10 +159,12 @@ def main() -> int:
     p.add_argument("--baseline", help="the revision of today's gateway (default: where this branch left main)")
     p.add_argument("--out", default=str(kit.RESULTS / "usage_overhead"))
     args = p.parse_args()
+    quiet = kit.wait_quiet(120)  # other jobs on the machine: wait a while for them to leave the cores, and say so
     prov = kit.provenance()
     results: dict = {"conditions": {**prov, "seconds": args.seconds, "rounds": args.rounds, "cpus": os.cpu_count(),
                                     "concurrency": args.concurrency, "kinds": args.kinds, "wrk": kit.wrk_version(),
-                                    "command": kit.command("benchmarks.usage_overhead")}}
+                                    "command": kit.command("benchmarks.usage_overhead"),
+                                    "quiet": quiet}}
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -178,6 +180,7 @@ def main() -> int:
     text, ratios = table(results["points"])
     c = results["conditions"]
     report = REPORT.format(before=c["before"], commit=c["commit"], run_line=kit.run_line(c), seconds=args.seconds,
+                           busy=quiet["busy_cores"], waited=quiet["waited_s"],
                            rounds=args.rounds, table=text, median=statistics.median(ratios), low=min(ratios),
                            high=max(ratios), served=results["in_process"]["served_us"],
                            flush=results["in_process"]["flush_per_row_us"])
