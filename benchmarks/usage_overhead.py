@@ -80,35 +80,64 @@ def drive(args, gws: dict, script: str) -> list[dict]:
     return points
 
 
-def in_process(n: int = 200_000, repeats: int = 5) -> dict:
-    """Microseconds per request of what the ledger adds on a request's way out (Ledger.served), and per row of a
-    flush to the memory store; best of `repeats` (the least disturbed)."""
+def in_process(n: int = 100_000, repeats: int = 5) -> dict:
+    """Microseconds per request, best of `repeats` runs of `n` calls (the least disturbed): a request's end
+    (Gateway.finish, access log off) with the ledger on and off, the ledger's own count (Ledger.served), and a
+    flush to the memory store per row."""
+    return asyncio.run(_in_process(n, repeats))
+
+
+async def _in_process(n: int, repeats: int) -> dict:
+    from gateway.config import parse_config
     from gateway.contracts import Outcome, RequestShape
+    from gateway.routing.request import RequestState
+    from gateway.runtime import Gateway, build_policy
     from gateway.stats.ledger import Ledger
     from gateway.stats.ledger_store import Flusher, MemoryStore
 
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t) / n * 1e6)
+        return best
+
+    class Exchange:  # what finish() reads of the request's exchange
+        headers: dict = {}
+        method = "POST"
+
+    class Caller:
+        id, admin = "bench", False
+
     shape = RequestShape("bench", "chat", False, 8, 16, "default", "bench")
     o = Outcome("engine", shape, True, 200, prompt_tokens=8, completion_tokens=16)
+    out: dict = {}
+    for on in (True, False):
+        cfg = parse_config({"auth": {"enabled": False}, "server": {"access_log": False}, "usage": {"enabled": on},
+                            "backends": [{"id": "engine", "engine": "openai", "url": "http://127.0.0.1:9",
+                                          "models": ["bench"]}]}, build_policy)
+        g = Gateway(cfg)
+        st = RequestState("r", Exchange(), "chat")
+        st.principal, st.shape, st.outcome, st.backend, st.reason = Caller(), shape, o, "engine", "shape ttft"
+        out[f"finish_{'on' if on else 'off'}_us"] = timed(lambda: g.finish(st, 200))
     ledger = Ledger()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(n):
-            ledger.served("bench", "bench", "chat", o)
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    out["served_us"] = timed(lambda: ledger.served("bench", "bench", "chat", o))
     flusher = Flusher(ledger, MemoryStore())
     rows = 1000
     for i in range(rows):
         ledger.served(f"k{i}", "bench", "chat", o)
     t = time.perf_counter()
-    asyncio.run(flusher.flush(90))
-    return {"served_us": best, "flush_per_row_us": (time.perf_counter() - t) / rows * 1e6}
+    await flusher.flush(90)
+    out["flush_per_row_us"] = (time.perf_counter() - t) / rows * 1e6
+    return out
 
 
-def table(points: list[dict]) -> tuple[str, list[float]]:
+def table(points: list[dict]) -> tuple[str, list[float], list[float]]:
     lines = ["| kind | conc | CPU/req before us | CPU/req after us | after/before (median, range) | "
              "same-side processes (median, range) | req/s before | req/s after |", "|---|---|---|---|---|---|---|---|"]
-    ratios_all = []
+    ratios_all, controls_all = [], []
     for kind, conc in sorted({(p["kind"], p["conc"]) for p in points}, key=lambda k: (k[0] != "nonstream", k[1])):
         cpu = {(p["side"], p["proc"], p["round"]): p["cpu_per_req_us"] for p in points
                if (p["kind"], p["conc"]) == (kind, conc)}
@@ -117,12 +146,13 @@ def table(points: list[dict]) -> tuple[str, list[float]]:
         ratios = [a / b for a, b in zip(side["after"], side["before"])]
         ratios_all += ratios
         control = [cpu[(s, 1, r)] / cpu[(s, 2, r)] for s in ("before", "after") for r in rounds]
+        controls_all += control
         rps = {s: kit.median_spread([p["rps"] for p in points if (p["kind"], p["conc"], p["side"]) == (kind, conc, s)])
                for s in ("before", "after")}
         lines.append(f"| {kind} | {conc} | {kit.pm(kit.median_spread(side['before']), '.0f')} | "
                      f"{kit.pm(kit.median_spread(side['after']), '.0f')} | {kit.span(ratios, '.3f')} | "
                      f"{kit.span(control, '.3f')} | {kit.pm(rps['before'])} | {kit.pm(rps['after'])} |")
-    return "\n".join(lines), ratios_all
+    return "\n".join(lines), ratios_all, controls_all
 
 
 REPORT = """# Usage ledger overhead
@@ -142,12 +172,23 @@ column is the ratio between the two processes of one side: what placement and no
 
 {table}
 
-Over every kind and concurrency the after/before ratios have a median of {median:.3f} (range {low:.3f}-{high:.3f}).
+Over every kind and concurrency the after/before ratios have a median of {median:.3f} (range {low:.3f}-{high:.3f});
+two processes of the same code differ by {c_low:.3f} to {c_high:.3f} in single runs, the noise floor of one run here.
 
-In process (best of 5 x 200,000 calls): counting a request in the ledger (`Ledger.served`, on its way out) takes
-{served:.2f} us; a flush costs {flush:.2f} us per row (a row is one key, model, API and backend in a second, not
-one request).
+In process (best of 5 x 100,000 calls, plain sources as above): a request's end (`Gateway.finish`, access log
+off) takes {finish_on:.2f} us with the ledger and {finish_off:.2f} us without: {added:.2f} us more, {share:.1f} % of
+the {base:.0f} us CPU per request measured above for "before" (median, every kind and concurrency). Of it, counting
+the request (`Ledger.served`) is {served:.2f} us; a flush costs {flush:.2f} us per row, off the request path (a row
+is one key, model, API and backend in a second, not one request).
 """
+
+
+def in_process_words(results: dict) -> dict:
+    ip = results["in_process"]
+    base = statistics.median([p["cpu_per_req_us"] for p in results["points"] if p["side"] == "before"])
+    added = ip["finish_on_us"] - ip["finish_off_us"]
+    return {"finish_on": ip["finish_on_us"], "finish_off": ip["finish_off_us"], "added": added, "base": base,
+            "share": added / base * 100, "served": ip["served_us"], "flush": ip["flush_per_row_us"]}
 
 
 def main() -> int:
@@ -177,13 +218,12 @@ def main() -> int:
             kit.stop_all(procs)
     results["conditions"]["load_after"] = os.getloadavg()
     results["in_process"] = in_process()
-    text, ratios = table(results["points"])
+    text, ratios, controls = table(results["points"])
     c = results["conditions"]
     report = REPORT.format(before=c["before"], commit=c["commit"], run_line=kit.run_line(c), seconds=args.seconds,
                            busy=quiet["busy_cores"], waited=quiet["waited_s"],
                            rounds=args.rounds, table=text, median=statistics.median(ratios), low=min(ratios),
-                           high=max(ratios), served=results["in_process"]["served_us"],
-                           flush=results["in_process"]["flush_per_row_us"])
+                           high=max(ratios), c_low=min(controls), c_high=max(controls), **in_process_words(results))
     print(report)
     kit.write_result(Path(args.out), results, report)
     return 0

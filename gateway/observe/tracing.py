@@ -176,6 +176,8 @@ class RequestTracer:
         if not o.ok and o.result != "client_left":
             span.set_status(trace.Status(trace.StatusCode.ERROR))
             span.set_attribute("error.type", str(o.status) if o.status >= 400 else o.result)
+        if failed_over:  # why the next candidate took the request: how this attempt ended
+            span.set_attribute("shapegate.failover_reason", f"{o.result} {o.status}")
         if o.ttft is not None:
             span.add_event(_FIRST_TOKEN, {"gen_ai.server.time_to_first_token": o.ttft},
                            timestamp=ns(a.t_upstream + o.ttft))

@@ -64,8 +64,10 @@ async def test_a_failed_over_request_is_one_trace_with_both_attempts():
     assert first["trace_id"] == second["trace_id"] == TRACE_ID
     assert first["attributes"]["shapegate.backend"] == "broken" and first["attributes"]["shapegate.failed_over"]
     assert first["attributes"]["http.response.status_code"] == 500 and first["attributes"]["error.type"] == "500"
+    assert first["attributes"]["shapegate.failover_reason"] == "engine_error 500"
     assert first["status"] == 2  # STATUS_CODE_ERROR
     assert second["attributes"]["shapegate.backend"] == "good" and not second["attributes"]["shapegate.failed_over"]
+    assert "shapegate.failover_reason" not in second["attributes"]
     assert second["attributes"]["http.response.status_code"] == 200 and second["status"] != 2
     assert [e["name"] for e in second["events"]] == ["gen_ai.first_token"]
     # The spans keep the gateway's own times: attempts one after the other, within the request.
