@@ -4,8 +4,9 @@ tree's with the ledger on and traces off, both on Redis state, driven by wrk in 
 Two gateway processes per side (started before, after, after, before), each on its own key prefix of one
 redis-server started for the run, in front of one benchmarks/fast_engine.py. Each (kind, concurrency, round) drives
 the four in turn, the order rotating by one each round; CPU per request is a gateway process's user + system time
-from /proc over the requests wrk completed, averaged over the two processes of a side. Writes
-results/usage_overhead.{json,md}.
+from /proc over the requests wrk completed, averaged over the two processes of a side. Then instructions per
+non-streamed request of each side under callgrind (steady where CPU time on a shared machine is not), and a request's
+end with the ledger on and off timed in process. Writes results/usage_overhead.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks import kit
+from benchmarks import path_instructions as pi
 from benchmarks.loopback import free_port
 
 SLOTS = (("before", 1), ("after", 1), ("after", 2), ("before", 2))
@@ -134,6 +136,34 @@ async def _in_process(n: int, repeats: int) -> dict:
     return out
 
 
+def instructions(before: Path, tmp: Path, rounds: int, requests: int = 1500) -> dict[str, list[float]]:
+    """Instructions per non-streamed request (callgrind, user space, one request at a time) of a gateway of each
+    side, as benchmarks/path_instructions.py counts them: steady where CPU time on a shared machine is not."""
+    procs: list[subprocess.Popen] = []
+    out: dict[str, list[float]] = {"before": [], "after": []}
+    try:
+        engine = pi.start_engine("nonstream", procs)
+        running = {}
+        for side, src in (("before", before), ("after", kit.ROOT)):
+            state = f'[state]\nbackend = "redis"\nredis_url = "{start_redis(procs)}"\n'
+            cfg = kit.gateway_config(tmp / f"cg-{side}.toml", engine, access_log=False, stats=True,
+                                     health=pi.QUIET_HEALTH, stats_lines=pi.QUIET_REFIT, sections=state)
+            running[side] = (*pi.start_counted(src, cfg, tmp / f"cg-{side}", procs), tmp / f"cg-{side}")
+        for port, _, _ in running.values():
+            kit.wait_http(f"http://127.0.0.1:{port}/readyz", timeout=600)
+            pi.send(port, "nonstream", 100)
+        for rnd in range(rounds):
+            for side in (("before", "after") if rnd % 2 == 0 else ("after", "before")):
+                port, pid, out_dir = running[side]
+                idle = kit.window(pid, out_dir, lambda: time.sleep(2.0))
+                busy = kit.window(pid, out_dir, lambda p=port: pi.send(p, "nonstream", requests))
+                out[side].append(pi.per_request({"idle": idle, "busy": busy, "requests": requests}))
+                print(json.dumps({"instructions": side, "round": rnd, "per_request": out[side][-1]}), flush=True)
+    finally:
+        kit.stop_all(procs)
+    return out
+
+
 def table(points: list[dict]) -> tuple[str, list[float], list[float]]:
     lines = ["| kind | conc | CPU/req before us | CPU/req after us | after/before (median, range) | "
              "same-side processes (median, range) | req/s before | req/s after |", "|---|---|---|---|---|---|---|---|"]
@@ -175,20 +205,41 @@ column is the ratio between the two processes of one side: what placement and no
 Over every kind and concurrency the after/before ratios have a median of {median:.3f} (range {low:.3f}-{high:.3f});
 two processes of the same code differ by {c_low:.3f} to {c_high:.3f} in single runs, the noise floor of one run here.
 
+Instructions per non-streamed request, counted by callgrind in one gateway of each side (user space, one request
+at a time on one connection, {rounds} rounds of 1,500 requests, the order alternating; benchmarks/path_instructions.py's
+method, Redis state, access log off): before {i_before}, after {i_after}; after/before {i_ratio}
+(median and range of the rounds). Unlike CPU time on this shared machine, the count does not move with the load.
+
 In process (best of 5 x 100,000 calls, plain sources as above): a request's end (`Gateway.finish`, access log
 off) takes {finish_on:.2f} us with the ledger and {finish_off:.2f} us without: {added:.2f} us more, {share:.1f} % of
-the {base:.0f} us CPU per request measured above for "before" (median, every kind and concurrency). Of it, counting
+the {base:.0f} us CPU per non-streamed request measured above for "before" (median, both concurrencies). Of it, counting
 the request (`Ledger.served`) is {served:.2f} us; a flush costs {flush:.2f} us per row, off the request path (a row
 is one key, model, API and backend in a second, not one request).
 """
 
 
 def in_process_words(results: dict) -> dict:
+    ins = results["instructions"]
+    i_before, i_after = (kit.median_spread(ins[side]) for side in ("before", "after"))
     ip = results["in_process"]
-    base = statistics.median([p["cpu_per_req_us"] for p in results["points"] if p["side"] == "before"])
+    base = statistics.median([p["cpu_per_req_us"] for p in results["points"]
+                              if p["side"] == "before" and p["kind"] == "nonstream"])
     added = ip["finish_on_us"] - ip["finish_off_us"]
-    return {"finish_on": ip["finish_on_us"], "finish_off": ip["finish_off_us"], "added": added, "base": base,
+    return {"i_before": kit.pm(i_before, spread=".1%"), "i_after": kit.pm(i_after, spread=".1%"),
+            "i_ratio": kit.span([a / b for a, b in zip(ins["after"], ins["before"])], ".4f"),
+            "finish_on": ip["finish_on_us"], "finish_off": ip["finish_off_us"], "added": added, "base": base,
             "share": added / base * 100, "served": ip["served_us"], "flush": ip["flush_per_row_us"]}
+
+
+def render(results: dict) -> str:
+    """The report of a run, from its data."""
+    text, ratios, controls = table(results["points"])
+    c = results["conditions"]
+    quiet = c["quiet"]
+    return REPORT.format(before=c["before"], commit=c["commit"], run_line=kit.run_line(c), seconds=c["seconds"],
+                         rounds=c["rounds"], busy=quiet["busy_cores"], waited=quiet["waited_s"], table=text,
+                         median=statistics.median(ratios), low=min(ratios), high=max(ratios), c_low=min(controls),
+                         c_high=max(controls), **in_process_words(results))
 
 
 def main() -> int:
@@ -199,7 +250,11 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+", default=["nonstream", "stream"])
     p.add_argument("--baseline", help="the revision of today's gateway (default: where this branch left main)")
     p.add_argument("--out", default=str(kit.RESULTS / "usage_overhead"))
+    p.add_argument("--render", action="store_true", help="only write OUT.md again from OUT.json")
     args = p.parse_args()
+    if args.render:
+        print(kit.render_again(Path(args.out), render))
+        return 0
     quiet = kit.wait_quiet(120)  # other jobs on the machine: wait a while for them to leave the cores, and say so
     prov = kit.provenance()
     results: dict = {"conditions": {**prov, "seconds": args.seconds, "rounds": args.rounds, "cpus": os.cpu_count(),
@@ -216,14 +271,10 @@ def main() -> int:
             results["points"] = drive(args, gws, kit.wrk_script(tmp))
         finally:
             kit.stop_all(procs)
+        results["instructions"] = instructions(before, tmp, args.rounds)
     results["conditions"]["load_after"] = os.getloadavg()
     results["in_process"] = in_process()
-    text, ratios, controls = table(results["points"])
-    c = results["conditions"]
-    report = REPORT.format(before=c["before"], commit=c["commit"], run_line=kit.run_line(c), seconds=args.seconds,
-                           busy=quiet["busy_cores"], waited=quiet["waited_s"],
-                           rounds=args.rounds, table=text, median=statistics.median(ratios), low=min(ratios),
-                           high=max(ratios), c_low=min(controls), c_high=max(controls), **in_process_words(results))
+    report = render(results)
     print(report)
     kit.write_result(Path(args.out), results, report)
     return 0
