@@ -33,7 +33,9 @@ ENGINE_COUNTERS = {"vllm": (("vllm:prompt_tokens_total",), "vllm:generation_toke
 
 @pytest.fixture
 async def sims() -> AsyncIterator[dict[str, SimServer]]:
-    started = {e: await start_sim(SimOptions(engine=e, model=MODEL, seed=i, report_cached_tokens=True))
+    # (each with a model that embeds too: the simulators serve a text model's APIs alone otherwise)
+    started = {e: await start_sim(SimOptions(engine=e, model=MODEL, seed=i, report_cached_tokens=True,
+                                             serves=frozenset({"embeddings"})))
                for i, e in enumerate(("vllm", "sglang", "llamacpp"))}
     for s in started.values():
         await s.wait_ready(10)
