@@ -28,9 +28,11 @@ from gateway.errors import model_not_found
 from gateway.http.front import Front, start_serving
 from gateway.http.inner import PEER_HEADER, unknown_path
 from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
+from gateway.observe.tracing import emit_loop
 from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
 from gateway.ops.admin_probe import PROBE_RUNNER, ProbeRunner, probe_report, stop_probe
+from gateway.ops.admin_usage import dashboard_usage, usage
 from gateway.ops.keys_view import keys_view
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
@@ -39,6 +41,7 @@ from gateway.pipeline import serve_api
 from gateway.routing.affinity import AffinityIndex, RedisStore, StateStore, sync_loop
 from gateway.routing.request import Exchange
 from gateway.runtime import GATEWAY, Gateway, stats_report
+from gateway.stats.ledger_store import flush_loop
 from gateway.stats.merge import fold_counters, replicas_report, take_summary
 from gateway.stats.share import share_loop
 
@@ -162,6 +165,13 @@ async def probe(request: web.Request) -> web.Response:
     if not signed_in(request):
         request.app[GATEWAY].auth.require_admin(request.headers)
     return await probe_report(request)
+
+
+async def admin_usage(request: web.Request) -> web.Response:
+    """GET /admin/usage: an admin key or the dashboard's sign-in cookie, as for /stats."""
+    if not signed_in(request):
+        request.app[GATEWAY].auth.require_admin(request.headers)
+    return await usage(request)
 
 
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
@@ -290,6 +300,25 @@ async def background_loops(app: web.Application) -> AsyncIterator[None]:
     g.metrics.refresh()  # with several workers: this one's last counts, for the workers still serving
 
 
+async def usage_and_traces(app: web.Application) -> AsyncIterator[None]:
+    """The usage ledger's rows go to their store, and ended requests become spans, in the background until the
+    end; then the last rows and spans go out."""
+    g: Gateway = app[GATEWAY]
+    stop = asyncio.Event()
+    tasks = []
+    if g.usage is not None:
+        tasks.append(asyncio.create_task(flush_loop(g.usage, lambda: g.cfg.usage, stop), name="usage-flush"))
+    if g.tracer is not None:
+        tasks.append(asyncio.create_task(emit_loop(g.tracer, stop), name="trace-emit"))
+    yield
+    stop.set()
+    for t in tasks:
+        await t  # each ends within one store round trip
+    if g.tracer is not None:
+        g.tracer.drain()
+        await asyncio.to_thread(g.tracer.shutdown)  # the exporter's last batch, off the loop
+
+
 async def _flush_loop(g: Gateway, history: FeedHistory | None) -> None:
     while True:
         await asyncio.sleep(0.2)
@@ -344,7 +373,8 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
                         session_ttl_s=cfg.dashboard.session_ttl_s,
                         wrap=lambda h: guarded(h, key=False),  # its own sign-in: cookie or admin key
                         session_binding=functools.partial(admin_binding, gw), peer_header=PEER_HEADER,
-                        history=history, keys_provider=lambda: keys_view(gw))
+                        history=history, keys_provider=lambda: keys_view(gw),
+                        usage_provider=(lambda query: dashboard_usage(gw, query)) if gw.usage is not None else None)
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))
@@ -352,6 +382,7 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app[PROBE_RUNNER] = ProbeRunner()
     app.on_shutdown.append(stop_probe)
     r.add_get("/admin/keys", guarded(list_keys))
+    r.add_get("/admin/usage", guarded(admin_usage, key=False))  # its own check: admin key or cookie
     r.add_post("/admin/keys", guarded(create_key))
     r.add_delete("/admin/keys/{id}", guarded(revoke_key))
     r.add_route("*", "/{tail:.*}", guarded(unmatched, key=False))
@@ -360,6 +391,7 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app.cleanup_ctx.append(routing_state)
     app.cleanup_ctx.append(loop_health)
     app.cleanup_ctx.append(shared_limits)
+    app.cleanup_ctx.append(usage_and_traces)
     return app
 
 

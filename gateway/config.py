@@ -14,6 +14,7 @@ from backends import engine_names
 from gateway.config_base import CLASS_NAMES, Strict
 from gateway.config_errors import did_you_mean, error_lines
 from gateway.config_experiments import ExperimentConfig, ProbeConfig
+from gateway.config_usage import ObserveConfig, UsageConfig
 
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
 KEY_PLACEHOLDER = "run-shapegate-keys-new-and-put-its-sha256-here"
@@ -338,6 +339,8 @@ class GatewayConfig(Strict):
     stats: StatsConfig = StatsConfig()
     dashboard: DashboardConfig = DashboardConfig()
     probe: ProbeConfig = ProbeConfig()
+    usage: UsageConfig = UsageConfig()
+    observe: ObserveConfig = ObserveConfig()
     backends: tuple[BackendConfig, ...] = Field(min_length=1)
     experiments: tuple[ExperimentConfig, ...] = ()
 

@@ -21,13 +21,14 @@ from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, 
 from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
 from gateway.fleet.pool import BackendState, Pool
 from gateway.hot_settings import HotSettings
-from gateway.http.headers import safe_value
+from gateway.http.headers import safe_value, trace_headers
 from gateway.keys.auth import Authenticator
 from gateway.keys.keystore import KeyStore
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.observe.access_log import AccessEntry, AccessLog
 from gateway.observe.metrics import Metrics
+from gateway.observe.tracing import RequestRecord, RequestTracer, make_tracer
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.context import PromptSizer
 from gateway.routing.request import ExperimentRef, RequestState
@@ -38,6 +39,8 @@ from gateway.state.redis_store import RedisStore
 from gateway.state.responses import ResponsesService
 from gateway.state.store import MemoryStore, Store
 from gateway.stats.key_usage import KeyUsage
+from gateway.stats.ledger import Ledger, tokens_of
+from gateway.stats.ledger_store import Flusher, make_store
 from gateway.stats.merge import group_report
 from gateway.stats.rolling import OutputEstimator, Tally
 from gateway.stats.share import Sharing
@@ -116,6 +119,12 @@ class Gateway:
         self.tally = Tally()
         # Per key id: attempts, refusals and tokens over the window (the dashboard's keys view), bounded.
         self.key_usage = KeyUsage(cfg.stats.window_s)
+        # Per key, model, API, backend and hour, kept for days (gateway/stats/ledger.py); flushed off the request
+        # path by the app's loop to this process's memory or to Redis.
+        self.ledger: Ledger | None = Ledger() if cfg.usage.enabled else None
+        self.usage: Flusher | None = Flusher(self.ledger, make_store(cfg.state)) if self.ledger is not None else None
+        # Traces ([observe] traces): None when off, and then OpenTelemetry is never imported.
+        self.tracer: RequestTracer | None = make_tracer(cfg.observe)
         self.experiments = Experiments(cfg.experiments)
         self.shadow_tasks: set = set()  # copies in flight (gateway/experiments/shadow.py): cancelled at shutdown
         # The last /admin/experiments report (gateway/ops/admin_experiments.py): (its key, when, the report).
@@ -273,6 +282,8 @@ class Gateway:
             self.affinity.record(shape, b.id)
         if o.ok and shape.output_tokens and o.completion_tokens and shape.route in GENERATING:
             self.estimator.learn(shape.principal, shape.model, o.completion_tokens)
+        if self.tracer is not None:
+            self.tracer.attempt(shape, b.id, o, t_upstream)
 
     def finish(self, st: RequestState, status: int) -> None:
         """A request's end, however it ended (served, failed over, refused, client gone): a refusal is counted
@@ -294,6 +305,10 @@ class Gateway:
             self.tally.add(("reason", klass, kind), time.monotonic())
         if st.tap is not None:
             st.tap.close(st.outcome)  # the shadow copy's comparison may start
+        if self.ledger is not None and st.principal is not None:
+            self._count_usage(self.ledger, st, st.principal.id, result)
+        if self.tracer is not None:
+            self._trace(self.tracer, st, status, result)
         if self.access_log.enabled:
             x = st.split or (st.shadow[0] if st.shadow is not None else None)
             self.access_log.add(AccessEntry(time.time(), st.request_id,
@@ -301,6 +316,22 @@ class Gateway:
                                             st.shape, st.backend, st.reason, status, result, st.outcome,
                                             x.name if x is not None else None, arm_of(st) if x is not None else None,
                                             st.route))
+
+    def _count_usage(self, ledger: Ledger, st: RequestState, key: str, result: str) -> None:
+        """The request in the usage ledger: served at its last attempt's backend, or refused before any."""
+        shape = st.shape
+        if st.outcome is not None:
+            ledger.served(key, st.outcome.shape.model, st.route, st.outcome)
+        elif result == REJECTED:
+            # A model only when the gateway serves it: a client's free text never becomes a row.
+            ledger.refused(key, shape.model if shape is not None and self.pool.serves(shape.model) else "", st.route)
+
+    def _trace(self, tracer: RequestTracer, st: RequestState, status: int, result: str) -> None:
+        o = st.outcome
+        tracer.request(RequestRecord(
+            st.request_id, st.route, st.ex.method, st.shape, st.principal.id if st.principal is not None else None,
+            st.reason, status, result, st.t_in, time.perf_counter(), trace_headers(st.ex.headers),
+            tokens_of(o, st.route) if o is not None else (0, 0, 0)))
 
 
 # Where an app keeps its gateway (gateway/app.py puts it there; routes, ops and the CLI find it).

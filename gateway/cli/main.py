@@ -1,4 +1,4 @@
-"""The `shapegate` command: serve | check | probe | ab | sim | demo | keys."""
+"""The `shapegate` command: serve | check | probe | ab | sim | demo | keys | usage."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from gateway.cli import ab as ab_report
 from gateway.cli import keys as keys_client
+from gateway.cli import usage as usage_client
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.keys.principal import hash_key, new_key
 
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     kn.add_argument("--admin", action="store_true", help="admin = true in the block")
     keys_client.add_parsers(ks)
     k.set_defaults(func=cmd_keys)
+    usage_client.add_parser(sub)  # `shapegate usage`: a running gateway's usage ledger
 
     from gateway.sim import main as sim_main  # part of the package: the simulator and the demo always exist
 

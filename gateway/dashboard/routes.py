@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.dashboard.history import FeedHistory
 from gateway.dashboard.session import Binding, bound_secret, check_secret, issue_token, verify_bound_token, verify_token
 from gateway.dashboard.throttle import SignInThrottle
+from gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ DEFAULT_SESSION_TTL_S = 12 * 3600.0
 STATIC_DIR = Path(__file__).parent / "static"
 
 StatsProvider = Callable[[], Awaitable[dict[str, Any]] | dict[str, Any]]
+# The usage view's report for the page's query (its `days`); a GatewayError answers with its own status.
+UsageProvider = Callable[[Mapping[str, str]], Awaitable[dict[str, Any]]]
 
 _CONTENT_TYPES = {
     ".html": "text/html",
@@ -61,6 +64,7 @@ class DashboardSettings:
     throttle: SignInThrottle
     history: FeedHistory | None  # the charts' recent past (sampled by the host on a timer); None: none kept
     keys_provider: StatsProvider | None  # the keys view's report; None: no keys view
+    usage_provider: UsageProvider | None = None  # the usage view over days; None: no usage view
 
 
 DASHBOARD = web.AppKey("shapegate_dashboard", DashboardSettings)
@@ -81,6 +85,7 @@ def setup_dashboard(
     throttle: SignInThrottle | None = None,
     history: FeedHistory | None = None,
     keys_provider: StatsProvider | None = None,
+    usage_provider: UsageProvider | None = None,
 ) -> None:
     """Register /dashboard, /dashboard/{login,logout,feed,history,keys} and /dashboard/static/{file}.
 
@@ -99,7 +104,8 @@ def setup_dashboard(
     Failed sign-ins are throttled per client address (`peer_header`, set by the host's front, or the socket's
     peer): 429 with Retry-After once an address has used up its attempts (throttle.py).
     /dashboard/history serves `history` (the host samples the feed into it on a timer, never per request), so
-    that the charts start filled; /dashboard/keys serves `keys_provider`'s report. Both as admin-only as the feed.
+    that the charts start filled; /dashboard/keys serves `keys_provider`'s report, /dashboard/usage?days=N
+    `usage_provider`'s. All as admin-only as the feed.
     """
     check_secret(session_secret)
     if session_ttl_s <= 0:
@@ -117,6 +123,7 @@ def setup_dashboard(
         throttle=throttle or SignInThrottle(),
         history=history,
         keys_provider=keys_provider,
+        usage_provider=usage_provider,
     )
     app.router.add_get("/dashboard", wrap(_page))
     app.router.add_post("/dashboard/login", wrap(_login))
@@ -124,6 +131,7 @@ def setup_dashboard(
     app.router.add_get("/dashboard/feed", wrap(_feed))
     app.router.add_get("/dashboard/history", wrap(_history))
     app.router.add_get("/dashboard/keys", wrap(_keys))
+    app.router.add_get("/dashboard/usage", wrap(_usage))
     app.router.add_get("/dashboard/static/{file}", wrap(_static))
 
 
@@ -146,7 +154,7 @@ def _load_assets(folder: Path) -> Mapping[str, tuple[bytes, str]]:
         if path.is_file() and path.suffix in _CONTENT_TYPES
     }
     for needed in ("index.html", "login.html", "charts.js", "dashboard.js", "experiments.js", "keys.js",
-                   "dashboard.css"):
+                   "usage.js", "dashboard.css"):
         if needed not in assets:
             raise RuntimeError(f"dashboard asset missing: {needed}")
     return MappingProxyType(assets)
@@ -285,6 +293,9 @@ async def _provided(request: web.Request, provider: StatsProvider | None, what: 
         if inspect.isawaitable(data):
             data = await data
         body = orjson.dumps(data)
+    except GatewayError as e:  # the provider's own answer (a bad query, a store that does not answer)
+        return web.Response(status=e.status, body=e.body(), content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
     except Exception:
         # The page shows the feed as stale (or its charts' past, or keys, missing); the traceback goes to the
         # log, not to the browser.
@@ -306,6 +317,12 @@ async def _history(request: web.Request) -> web.Response:
 
 async def _keys(request: web.Request) -> web.Response:
     return await _provided(request, request.app[DASHBOARD].keys_provider, "the keys view is")
+
+
+async def _usage(request: web.Request) -> web.Response:
+    provider = request.app[DASHBOARD].usage_provider
+    query = request.query
+    return await _provided(request, None if provider is None else lambda: provider(query), "the usage view is")
 
 
 async def _static(request: web.Request) -> web.Response:

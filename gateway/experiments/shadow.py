@@ -28,6 +28,7 @@ from gateway.routing.typed_relay import first_event_error as typed_first_error
 if TYPE_CHECKING:
     from gateway.fleet.pool import BackendState, Pool
     from gateway.observe.metrics import Metrics
+    from gateway.stats.ledger import Ledger
 
 log = logging.getLogger("shapegate.shadow")
 MAX_TAP_BYTES = 1 << 20  # the primary's reply kept for comparing outputs; a longer one is not compared
@@ -58,6 +59,10 @@ class Host(Protocol):
         """The copies in flight: cancelled at shutdown."""
 
     def policy_for(self, model: str) -> Policy: ...
+
+    @property
+    def ledger(self) -> Ledger | None:
+        """The usage ledger (None: off): a copy's usage is counted there apart from its key's own."""
 
 
 class Tap:
@@ -168,6 +173,8 @@ async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestSt
     g.metrics.shadow(x.name, arm.name, o.result)
     x.record(arm.name, shape.klass, o)
     g.metrics.experiment(x.name, arm.name, shape.klass, o)
+    if g.ledger is not None:
+        g.ledger.shadow(shape.principal, shape.model, shape.route, o)
     try:
         async with asyncio.timeout(cfg.routing.retry_deadline_s + cfg.upstream.first_byte_timeout_s + 600):
             primary = await tap.done  # resolved when the client's request ends, however it ends

@@ -23,7 +23,7 @@ log = logging.getLogger("shapegate.reload")
 RESTART_ONLY = (("server", "host"), ("server", "port"), ("server", "shutdown_grace_s"),
                 ("upstream", "connect_timeout_s"), ("upstream", "idle_timeout_s"), ("upstream", "pool_limit"),
                 ("upstream", "pool_limit_per_backend"), ("upstream", "keepalive_s"), ("state", None),
-                ("auth", "keys_file"))
+                ("auth", "keys_file"), ("usage", "enabled"), ("observe", None))
 # What identifies an engine connection: a backend whose id stays but one of these changes is replaced.
 IDENTITY = ("url", "engine", "api_key_env")
 

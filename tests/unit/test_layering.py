@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.apis",),  # the public APIs: routes, bodies, events and error shapes, one module each
     ("backends", "policies"),  # engine adapters and routing policies: plug-ins on the contracts
     ("gateway.config_base", "gateway.config_errors"),
-    ("gateway.config_experiments",),
+    ("gateway.config_experiments", "gateway.config_usage"),
     ("gateway.config",),
     # the HTTP server (handed its handler: it knows no routing), self-reporting, per-request settings, the
     # dashboard's page and the engine simulator: each stands on the configuration at most
