@@ -205,6 +205,9 @@ class LimitsConfig(KeyLimits):
     # unusable each process enforces limit / the larger of this and the count it last saw in Redis, so one
     # that starts while Redis is down does not count itself alone.
     processes: int = Field(1, ge=1, le=100_000)
+    # With Redis state: after Redis restarted or was replaced (a new run id, so every bucket was lost), each
+    # process decides alone on its own buckets this long before it trusts the shared ones again.
+    restart_hold_s: float = Field(60.0, ge=0, le=3600)
 
 
 class StateConfig(Strict):

@@ -316,7 +316,7 @@ class Limiter:
         if shared is None:
             return self.take(plan, tokens, self.local.clock())
         costs = plan.costs(tokens)
-        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s)
+        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s)
         if result is None:
             return self._alone(plan, tokens, costs, shared, cfg)
         refused, levels = result

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,8 @@ MAX_BATCH = 512  # buckets per settlement call
 # The level of bucket i now: its stored level refilled at limit/60 per second since it was stored, at most the
 # limit (gateway/limits/buckets.py's level_at); an absent key is a full bucket. Redis's own clock (TIME, in ms),
 # so replicas' clocks never matter.
-# A malformed bucket (not a hash, a field missing or not a finite number) starts again EMPTY, rewritten at once,
+# A malformed bucket (not a hash, a hash without either field, a field not a finite number) starts again EMPTY,
+# rewritten at once,
 # that key's alone: nothing tells how much of its limit was spent, and an empty bucket can hand out no credit that
 # may already be gone (full could pass a whole limit more), while it costs the key at most a minute's refill. Any
 # error raised here would fail the check and send this process to its local share for every key, hence pcall.
@@ -51,7 +53,7 @@ local function level(i, limit)
     store(i, limit, 0)
     return 0
   end
-  if not v[1] and not v[2] then return limit end
+  if not v[1] and not v[2] and redis.call('EXISTS', KEYS[i]) == 0 then return limit end
   local l, at = tonumber(v[1]), tonumber(v[2])
   if not (finite(l) and finite(at)) then
     store(i, limit, 0)
@@ -97,6 +99,17 @@ FAILURES = (RespError, OSError, TimeoutError)  # ConnectionError is an OSError
 TAKE_FAILURES = (*FAILURES, ValueError, TypeError, IndexError)
 SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE)}
 PROBE_LIMIT = 1 << 30  # the probe's bucket: never short, so that every probe writes
+RESTART_HOLD_S = 60.0  # [limits] restart_hold_s's default: how long buckets of a Redis that restarted are not trusted
+RUN_CHECK_S = 1.0  # while connected, whether Redis is still the same server is asked this often
+
+
+def run_id_of(info: object) -> bytes:
+    """The run_id line of INFO server's reply (a server that has none is read as one of its own: b"")."""
+    if isinstance(info, bytes):
+        for line in info.split(b"\r\n"):
+            if line.startswith(b"run_id:"):
+                return line[7:].strip()
+    return b""
 
 
 class SharedBuckets:
@@ -121,6 +134,13 @@ class SharedBuckets:
         self._owed: dict[str, list[int]] = {}
         self._probe: asyncio.Task | None = None
         self.dropped = 0  # settlements lost to a failed or unusable Redis
+        # Which Redis this is (INFO server's run_id): a new one lost every bucket (restarted empty, or another
+        # server behind the same address), so its buckets are not trusted until `untrusted_until` (monotonic).
+        self.run_id: bytes | None = None
+        self.untrusted_until = 0.0
+        self.hold_s = RESTART_HOLD_S  # [limits] restart_hold_s, as the last check passed it
+        self.restart_key = f"{state.key_prefix}ratelimit-restarted"  # tells processes that start meanwhile
+        self._next_run_check = 0.0
 
     async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
         """EVALSHA; a server that lost its scripts (restarted, flushed) gets the script again, once."""
@@ -133,11 +153,16 @@ class SharedBuckets:
         await self.conn.call("SCRIPT", "LOAD", script)
         return await self.conn.call("EVALSHA", SHA[script], len(keys), *keys, *args)
 
-    async def take(self, needs: tuple[Need, ...], costs: tuple[int, ...],
-                   timeout_s: float) -> tuple[int, list[float]] | None:
-        """(index of the first bucket without room or -1, levels), or None: decide locally."""
+    async def take(self, needs: tuple[Need, ...], costs: tuple[int, ...], timeout_s: float,
+                   hold_s: float = 60.0) -> tuple[int, list[float]] | None:
+        """(index of the first bucket without room or -1, levels), or None: decide locally. `hold_s`: how long
+        buckets of a Redis that restarted are not trusted ([limits] restart_hold_s)."""
         if not self.up:
             self.metrics.limit_local("unavailable")
+            return None
+        self.hold_s = hold_s
+        if self.untrusted_until and time.monotonic() < self.untrusted_until:
+            self.metrics.limit_local("restarted")
             return None
         try:
             async with asyncio.timeout(timeout_s):
@@ -192,10 +217,36 @@ class SharedBuckets:
             if self.conn is None or not self.conn.is_open:
                 self.conn = await RespConnection.open(self.url)
             await self.conn.call("PING")
+            await self._check_run()
             for script in (TAKE, SETTLE):  # loaded once up front: checks then send only the digest
                 await self.conn.call("SCRIPT", "LOAD", script)
             if write:
                 await self.conn.call("EVALSHA", SHA[TAKE], 1, self.probe_key, PROBE_LIMIT, 1)
+
+    async def _check_run(self) -> None:
+        """Whether this is still the Redis whose buckets this process used. One that is not lost them all (a
+        restart without persistence, a failover to a replica behind, another server at the address): an empty
+        bucket there reads as full, and every process would hand out a whole limit again. So its buckets are
+        not trusted for `hold_s` (a bucket's refill from empty to full): each process keeps deciding alone on its
+        own buckets, carried across, while what it takes alone is charged there as usual. The first process to
+        notice leaves a key that lasts as long, so that a process starting meanwhile holds off too."""
+        assert self.conn is not None
+        self._next_run_check = time.monotonic() + RUN_CHECK_S
+        run_id = run_id_of(await self.conn.call("INFO", "server"))
+        hold_ms = int(self.hold_s * 1000)
+        if self.run_id is not None and run_id != self.run_id:
+            self.untrusted_until = time.monotonic() + self.hold_s
+            self.outages += 1  # this process's buckets come down to its share of what it last saw, as in an outage
+            if hold_ms > 0:
+                await self.conn.call("SET", self.restart_key, run_id, "PX", hold_ms)
+            log.warning("Redis restarted or was replaced (a new run id) and lost the rate-limit buckets: limits "
+                        "enforced per process (this one's share, its buckets carried across) for %.0f s",
+                        self.hold_s)
+        elif self.run_id is None:  # this process's first: another may have seen a restart a moment ago
+            left = await self.conn.call("PTTL", self.restart_key)
+            if isinstance(left, int) and 0 < left <= hold_ms:
+                self.untrusted_until = time.monotonic() + left / 1000.0
+        self.run_id = run_id
 
     async def _probe_until_up(self) -> None:
         while True:
@@ -228,7 +279,14 @@ class SharedBuckets:
 
     async def flush(self) -> None:
         """Send what is queued: a failure drops settlements (counted) rather than let them hold anyone up, and
-        keeps what is owed (merged with what is owed since) for the next time Redis is usable."""
+        keeps what is owed (merged with what is owed since) for the next time Redis is usable. Every RUN_CHECK_S,
+        first whether Redis is still the one it was (a proxy may keep the connection across a failover)."""
+        if self.up and time.monotonic() >= self._next_run_check:
+            try:
+                async with asyncio.timeout(self.background_timeout_s):
+                    await self._check_run()
+            except FAILURES as e:
+                self._down(e)
         if self._owed and self.up:
             owed, self._owed = self._owed, {}
             for name, (limit, amount) in (await self._send(owed)).items():
