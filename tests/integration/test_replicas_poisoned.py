@@ -156,6 +156,55 @@ async def test_latency_sums_scaled_ten_million_times_neither_turn_routing_nor_ou
         await client.aclose()
 
 
+def weighted(entry: dict, backend_id: str, weight: float, factor: float) -> dict:
+    """One backend's part of a latency entry: its requests and weights times `weight`, latencies times `factor`."""
+    e = entry["b"][backend_id]
+    f = [v * weight for v in e["f"][:25]] + [v * weight * factor for v in e["f"][25:]]
+    e = {**e, "f": f, "s": [e["s"][0] * weight, e["s"][1] * weight * factor], "n": int(e["n"] * weight)}
+    return {"t": time.time(), "b": {backend_id: e}}
+
+
+async def test_entries_each_within_bounds_move_a_fit_no_further_in_total_than_one_may(tmp_path):
+    client = await redis_client()
+    prefix = new_prefix()
+    slow = await FakeEngine(Knobs(ttft_s=0.01, token_s=0.02)).start()
+    fast = await FakeEngine(Knobs(ttft_s=0.01, token_s=0.001)).start()
+    replicas = Replicas(tmp_path, [backend("slow", slow), backend("fast", fast)], prefix,
+                        stats={"warmup_samples": 0})
+    key = prefix + "latency"
+    try:
+        a, b = await replicas.start(), await replicas.start()
+        for i in range(12):
+            for p in (a, b):
+                await chat(p, f"question {i}", max_tokens=24, stream=True)
+
+        async def published() -> dict | None:
+            rows = [orjson.loads(raw) for raw in (await client.hgetall(key)).values()]
+            both = [r for r in rows if all(r["b"].get(bid, {}).get("n", 0) >= 2 for bid in ("slow", "fast"))]
+            return both[0] if len(rows) == 2 and both else None
+
+        entry = await until(published, "both replicas published what they learned")
+        await asyncio.sleep(LATENCY_EVERY_S + SLACK_S)  # each folded the other's in
+        before = {p: (await fits(p))["fast"]["itl_a_ms"] for p in (a, b)}
+        # Three entries 2 s apart, each outweighing all before it at 8 times the last one's latencies: each moves
+        # the fit about 8 times from where it stands; together 8, 64, then 512 times.
+        for i, (weight, factor) in enumerate(((100, 8), (10_000, 64), (1_000_000, 512))):
+            await client.hset(key, f"elsewhere/{i}", orjson.dumps(weighted(entry, "fast", weight, factor)))
+            await asyncio.sleep(LATENCY_EVERY_S)
+        await asyncio.sleep(SLACK_S)
+        for p in (a, b):
+            moved = (await fits(p))["fast"]["itl_a_ms"] / before[p]
+            served, reason = await chat(p, "write a long story", max_tokens=600)
+            assert moved <= 10.5 and served == "fast", (moved, reason)
+        assert await logged((a, b), "within one half-life")  # the later entries refused, and said why
+    finally:
+        await replicas.stop()
+        await slow.stop()
+        await fast.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 async def _all(check, procs) -> bool:
     return all([await check(p) for p in procs])
 

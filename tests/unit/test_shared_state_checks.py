@@ -212,6 +212,38 @@ def test_the_far_factor_is_measured_on_what_routing_reads():
     assert why is not None and f"at most {FAR_FACTOR:g}" in why
 
 
+def weighted(entry: dict, backend: str, weight: float, factor: float) -> dict:
+    """The entry with one backend's requests and weights times `weight`, its latencies times `factor`."""
+    e = entry["b"][backend]
+    f = [v * weight for v in e["f"][:25]] + [v * weight * factor for v in e["f"][25:]]
+    s = [e["s"][0] * weight, e["s"][1] * weight * factor]
+    return {**entry, "b": {**entry["b"], backend: {**e, "f": f, "s": s, "n": int(e["n"] * weight)}}}
+
+
+def test_entries_each_within_the_far_factor_move_the_fit_at_most_that_far_within_a_half_life():
+    clock = Clock()
+    a, b = Replica("a/1", clock), Replica("b/1", clock)
+    a.learn("x", 30, ttft=0.05, itl=0.004)
+    b.learn("x", 30, ttft=0.05, itl=0.004)
+    before = fits((b, "x"))[0]
+    entry = a.export()
+    # Each forged entry outweighs everything before it at 8 times the last one's latencies: each moves the fit
+    # about 8 times from where it stands, 8, 64, 512 times in all.
+    rows: dict[str, dict] = {}
+    for i, (weight, factor) in enumerate(((100, 8), (10_000, 64), (1_000_000, 512))):
+        rows[f"forged/{i}"] = {**weighted(entry, "x", weight, factor), "t": clock.wall}
+        b.fold(rows)
+        clock.step(2.0)
+    after = fits((b, "x"))[0]
+    moved = max(after.service_s / before.service_s, after.itl(1.0) / before.itl(1.0))
+    assert 5 < moved <= FAR_FACTOR  # the first was taken, the others not
+    # A half-life later the window starts again from where the fit stands.
+    clock.step(b.backends["x"].latency.half_life)
+    rows = {"forged/0": {**weighted(entry, "x", 100, 8), "t": clock.wall}}
+    b.fold(rows)
+    assert b.share._refused == {}
+
+
 @pytest.mark.parametrize("change", [
     {"n": -1}, {"n": True}, {"n": 2 ** 60}, {"e": 5}, {"f": [0.0] * 29}, {"s": [1.0, "x"]},
     {"s": [1e6, 1.0]},  # a weight of a million from 30 requests
