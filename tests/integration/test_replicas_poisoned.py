@@ -326,3 +326,46 @@ async def test_an_experiment_control_no_replica_writes_applies_nothing_and_the_s
 
 async def _arms_are(p, want: set[str]) -> bool:
     return await arms(p, 6) == want
+
+
+async def test_a_version_counter_at_its_top_and_a_replica_that_refuses_are_told_to_the_writer(tmp_path):
+    client = await redis_client()
+    prefix = new_prefix()
+    engines = [await FakeEngine(Knobs()).start() for _ in range(3)]
+    backends = [backend(f"e{i}", e) for i, e in enumerate(engines)]
+    replicas = Replicas(tmp_path, backends, prefix)
+    state = {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0", "key_prefix": prefix,
+             "flush_interval_s": 0.05}
+
+    def config(arms: list[str]) -> str:
+        experiment = {"name": "ab", "model": MODEL, "mode": "split", "subject": "user",
+                      "arms": [{"name": arm, "backends": [f"e{i}"], "weight": 100 if i == 0 else 0}
+                               for i, arm in enumerate(arms)]}
+        return to_toml(gateway_config(backends, state=state) | {"experiments": [experiment]})
+
+    try:
+        replicas.path.write_text(config(["a", "b"]))
+        a, b = await replicas.start(), await replicas.start()
+        await asyncio.sleep(1.0)  # each has said what it holds
+        # The counter every change takes its version from, at the top of a version's range.
+        await client.set(prefix + "experiments:version", 2 ** 53)
+        status, body = await put(a, {"weights": {"a": 0, "b": 100}})
+        assert status == 200, body
+        assert body["version"] < 2 ** 53 and body["shared"] is True, body  # said only once b applied it...
+        assert await _arms_are(b, {"b"})  # ...which it did
+        assert body["replicas"]["applied"] and not body["replicas"]["refused"]
+        # A third replica whose experiment has other arms (a configuration not rolled out everywhere yet).
+        replicas.path.write_text(config(["a", "c"]))
+        c = await replicas.start()
+        await asyncio.sleep(1.0)
+        status, body = await put(a, {"weights": {"a": 100, "b": 0}})
+        assert status == 200 and body["shared"] is False, body
+        refused = body["replicas"]["refused"]
+        assert len(refused) == 1 and "unknown arm 'b'" in next(iter(refused.values())), body
+        assert await _arms_are(b, {"a"}) and await arms(c) == {"a"}
+    finally:
+        await replicas.stop()
+        for e in engines:
+            await e.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()

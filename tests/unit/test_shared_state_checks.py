@@ -12,7 +12,7 @@ import pytest
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, HealthConfig, LatencyHints, parse_config
 from gateway.contracts import DEFAULT, Outcome, RequestShape
 from gateway.experiments.experiment import Experiment
-from gateway.experiments.share import control_problem, samples_problem
+from gateway.experiments.share import VERSION_AHEAD, control_problem, samples_problem, version_ceiling
 from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker
 from gateway.fleet.pool import BackendState, Pool
 from gateway.ops.admin_experiments import _weights_problem
@@ -339,6 +339,7 @@ def experiment() -> Experiment:
     ({"version": "5", "weights": {"a": 1}}, "a version"),
     ({"version": True, "weights": {"a": 1}}, "a version"),
     ({"version": 2 ** 60, "weights": {"a": 1}}, "a version"),
+    ({"version": int(WALL * 1000) + VERSION_AHEAD + 1, "weights": {"a": 1}}, "a version"),  # ahead of its range
     ({"version": 5, "weights": {"a": 1e308, "b": 1e308}}, "from 0 to 1e+06"),
     ({"version": 5, "weights": {"a": 0, "b": 0}}, "at least one arm"),
     ({"version": 5, "weights": {"zzz": 1}}, "unknown arm"),
@@ -357,6 +358,16 @@ def test_a_good_control_passes_and_adopts():
     control = {"version": 5, "enabled": True, "fraction": None, "weights": {"a": 1, "b": 3}, "changed_at": WALL - 1}
     assert control_problem(x, control, WALL) is None
     assert x.adopt(control) and [a.weight for a in x.arms] == [1.0, 3.0] and x.version == 5
+
+
+def test_the_top_of_the_version_range_moves_with_the_clock():
+    x = experiment()
+    top = version_ceiling(WALL)
+    control = {"version": top, "weights": {"a": 1, "b": 3}, "changed_at": WALL - 1}
+    assert control_problem(x, control, WALL) is None and x.adopt(control)
+    # A change at the top leaves room for the next one a moment later.
+    assert control_problem(x, {**control, "version": top + 1}, WALL) is not None
+    assert control_problem(x, {**control, "version": top + 1}, WALL + 0.001) is None
 
 
 def test_samples_no_process_writes_are_refused():
