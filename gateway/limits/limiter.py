@@ -1,4 +1,4 @@
-"""Per-key rate limits: the buckets a key's requests draw from (Plan), OpenAI's x-ratelimit headers, the limiter."""
+"""Per-key rate limits: the buckets and quotas a key's requests draw from (Plan), OpenAI's x-ratelimit headers, the limiter."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from gateway.config import LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_LEFT, OK, Outcome, RequestShape
 from gateway.errors import GatewayError, rate_limited
 from gateway.limits.buckets import KINDS, REQUESTS, TOKENS, Buckets, Clock, Need, level_at
+from gateway.limits.quotas import (PlanQuotas, Quotas, QuotaSlot, build_quotas, expire_ms, quota_lines,
+                                   quota_refusal)
 
 if TYPE_CHECKING:
     from gateway.keys.principal import Principal
@@ -35,11 +37,13 @@ class Plan:
     needs room in each), with what every check of them needs worked out once."""
 
     __slots__ = ("caps", "common", "common_heads", "limit_texts", "line_parts", "needs", "one_per_kind", "outage",
-                 "principal", "seen", "slots", "token_caps", "token_needs", "token_slots", "tokens_at", "whole_tokens")
+                 "principal", "quotas", "seen", "slots", "token_caps", "token_needs", "token_slots", "tokens_at",
+                 "whole_tokens")
 
-    def __init__(self, principal: str, needs: tuple[Need, ...]) -> None:
+    def __init__(self, principal: str, needs: tuple[Need, ...], quotas: PlanQuotas | None = None) -> None:
         self.principal = principal  # the key's id (a refusal names it)
         self.needs = needs
+        self.quotas = quotas  # its token quotas per day and month (gateway/limits/quotas.py), if it has any
         self.caps = tuple(float(n.limit) for n in needs)
         self.tokens_at = tuple(n.kind == TOKENS for n in needs)
         self.token_needs = tuple(n for n in needs if n.kind == TOKENS)
@@ -61,9 +65,11 @@ class Plan:
         self.seen: list[float] | None = None
         self.outage = 0
 
-    def bind(self, buckets: Buckets) -> Plan:
+    def bind(self, buckets: Buckets, quotas: Quotas) -> Plan:
         self.slots = buckets.slots(self.needs)
         self.token_slots = tuple(s for s, t in zip(self.slots, self.tokens_at) if t)
+        if self.quotas is not None:
+            self.quotas.bind(quotas)
         return self
 
     def costs(self, tokens: int) -> tuple[int, ...]:
@@ -92,6 +98,7 @@ class Plan:
 
 def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: RateLimit | None) -> Plan:
     needs = []
+    scopes = []
     for scope, m in ((limits, None), (per_model, model)):
         if scope is None:
             continue
@@ -99,7 +106,8 @@ def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: 
             needs.append(Need(bucket_name(REQUESTS, principal, m), REQUESTS, scope.rpm, m))
         if scope.tpm is not None:
             needs.append(Need(bucket_name(TOKENS, principal, m), TOKENS, scope.tpm, m))
-    return Plan(principal, tuple(needs))
+        scopes.append((scope.tokens_per_day, scope.tokens_per_month, m))
+    return Plan(principal, tuple(needs), build_quotas(principal, scopes))
 
 
 def duration(seconds: float) -> str:
@@ -190,14 +198,15 @@ def plan_lines(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> 
 
 
 class Reservation:
-    """What a request took from its key's buckets, kept on its state until it ends: the plan, caps (the plan's
-    limits or this process's share of them), its buckets' levels after, the tokens taken, whether from the
-    shared store (settled there) rather than this process's buckets, and its replies' x-ratelimit lines."""
+    """What a request took from its key's buckets and quotas, kept on its state until it ends: the plan, caps (the
+    plan's limits or this process's share of them), its buckets' levels after, the tokens taken, whether from the
+    shared store (settled there) rather than this process's buckets, its replies' x-ratelimit lines, and the
+    quota slots it charged with the periods they were in and their keys in the shared store."""
 
-    __slots__ = ("limiter", "plan", "caps", "levels", "tokens", "shared", "lines")
+    __slots__ = ("limiter", "plan", "caps", "levels", "tokens", "shared", "lines", "qslots", "qperiods", "qkeys")
 
     def __init__(self, limiter: Limiter, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
-                 shared: bool, lines: str) -> None:
+                 shared: bool, lines: str, qslots: tuple[QuotaSlot, ...] = (), qkeys: tuple[str, ...] = ()) -> None:
         self.limiter = limiter
         self.plan = plan
         self.caps = caps
@@ -205,14 +214,26 @@ class Reservation:
         self.tokens = tokens
         self.shared = shared
         self.lines = lines
+        self.qslots = qslots
+        self.qperiods = tuple([q.period for q in qslots])
+        self.qkeys = qkeys
 
     def headers(self) -> dict[str, str]:
         """The x-ratelimit headers (what an error reply after it carries)."""
-        return headers(self.plan.needs, self.caps, self.levels)
+        return line_headers(self.lines)
 
     def settle(self, o: Outcome | None) -> None:
         """At the end of the request that took it, `o` its last attempt (None: no backend was tried)."""
         self.limiter.settle(self, o)
+
+
+def line_headers(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.split("\r\n"):
+        if line:
+            name, _, value = line.partition(": ")
+            out[name] = value
+    return out
 
 
 def used_tokens(o: Outcome | None) -> int:
@@ -244,14 +265,17 @@ def refusal(principal: str, needs: tuple[Need, ...], caps: tuple[float, ...], le
 
 
 class Limiter:
-    """Checks each request of a limited key against its buckets, shared through Redis when the state is, and
-    returns what it took (its replies' headers, then settlement from its usage)."""
+    """Checks each request of a limited key against its buckets and quotas, shared through Redis when the state is,
+    and returns what it took (its replies' headers, then settlement from its usage)."""
 
     def __init__(self, metrics: Metrics, local_share: Callable[[], int], shared: SharedBuckets | None = None,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, wall: Clock = time.time) -> None:
         self.metrics = metrics
         self.local = Buckets(clock)
+        self.quotas = Quotas(wall)  # on the wall clock: periods are UTC days and months
         self.shared = shared
+        if shared is not None:
+            shared.quota_view = self.quotas.known  # what it tells a Redis that lost the quotas (restart)
         # How many processes split a limit when this one enforces it alone (with Redis: at least [limits]
         # processes, see _alone()).
         self.local_share = local_share
@@ -260,7 +284,7 @@ class Limiter:
         self.unsettled = 0  # requests that took from a bucket and have not ended yet
 
     def plan(self, principal: Principal, model: str, defaults: LimitsConfig) -> Plan | None:
-        """The buckets a request of this key for this model draws from; None for a key without limits."""
+        """The buckets and quotas a request of this key for this model draws from; None for a key without limits."""
         limits = principal.limits if principal.limits is not None else defaults
         # One plan per key, and one per key and model for a model with limits of its own.
         key: str | tuple[str, str] = (principal.id, model) if model in limits.models else principal.id
@@ -268,17 +292,19 @@ class Limiter:
         if hit is not None and hit[0] is limits:  # a reload or another key set makes new objects
             return hit[1]
         built = build_plan(principal.id, limits, model, limits.models.get(model))
-        plan = built.bind(self.local) if built.needs else None
+        plan = built.bind(self.local, self.quotas) if built.needs or built.quotas is not None else None
         if len(self._plans) < MAX_PLANS:
             self._plans[key] = (limits, plan)
         return plan
 
-    def take(self, plan: Plan, tokens: int, now: float, share: int = 0) -> Reservation:
-        """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
-        the 429 of the first without room. `share`: how many processes split each limit (0: the fixed number of
-        a memory-state group)."""
+    def take(self, plan: Plan, tokens: int, now: float, share: int = 0, outage: int = 0) -> Reservation:
+        """Take one request and `tokens` from every bucket and quota of this process (memory state: decided at
+        once), or raise the 429 of the first without room. `share`: how many processes split each limit (0: the
+        fixed number of a memory-state group); `outage`: the outage this process decides alone in (quotas split
+        what was left when it began)."""
         share = share or self.share
-        if share == 1 and plan.common:
+        q = plan.quotas
+        if share == 1 and plan.common and q is None:
             # The usual plan (a requests and a tokens bucket) at whole limits, the path every request of such a key
             # takes: unrolled. Anything else, a refusal included (it says why), goes the general way below, which
             # decides the same (a test holds them together).
@@ -304,34 +330,83 @@ class Limiter:
         # tokens of this one.
         caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
                                                    for c, cost in zip(plan.caps, costs)])
+        qslots: tuple[QuotaSlot, ...] = ()
+        if q is not None:
+            qslots = self._quota_check(plan, q, tokens, share, outage)
         refused, levels = self.local.take_slots(plan.slots, caps, costs, now)
         if refused >= 0:
             self._refuse(plan, caps, levels, costs, refused)
-        return self._taken(plan, caps, levels, tokens, False)
+        for s in qslots:
+            s.used += tokens
+        return self._taken(plan, caps, levels, tokens, False, qslots)
+
+    def _quota_check(self, plan: Plan, q: PlanQuotas, tokens: int, share: int, outage: int) -> tuple[QuotaSlot, ...]:
+        try:
+            return self.quotas.check(plan.principal, q.needs, q.slots, tokens, share, outage,
+                                     lambda: line_headers(self._quota_lines(q.needs, q.slots)))
+        except GatewayError:
+            self.metrics.limit_refused("quota")
+            raise
+
+    def _quota_lines(self, needs: Sequence[Any], slots: Sequence[QuotaSlot]) -> str:
+        p = self.quotas.periods
+        return quota_lines(needs, slots, p.ends, p.now(), duration)
 
     async def reserve(self, plan: Plan, tokens: int, cfg: LimitsConfig) -> Reservation:
-        """take(), from the buckets shared through Redis when the state is (this process's, on its share of each
-        limit, when Redis does not answer in time, fails or is full)."""
+        """take(), from the buckets and quotas shared through Redis when the state is (this process's, on its share
+        of each limit, when Redis does not answer in time, fails or is full, or lost them in a restart)."""
         shared = self.shared
         if shared is None:
             return self.take(plan, tokens, self.local.clock())
         costs = plan.costs(tokens)
-        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s)
+        q = plan.quotas
+        if q is None:
+            result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s)
+            if result is None:
+                return self._alone(plan, tokens, costs, shared, cfg)
+            refused, levels = result
+            plan.seen = levels
+            if refused >= 0:
+                self._refuse(plan, plan.caps, levels, costs, refused)
+            return self._taken(plan, plan.caps, levels, tokens, True)
+        return await self._reserve_with_quotas(plan, q, tokens, costs, shared, cfg)
+
+    async def _reserve_with_quotas(self, plan: Plan, q: PlanQuotas, tokens: int, costs: tuple[int, ...],
+                                   shared: SharedBuckets, cfg: LimitsConfig) -> Reservation:
+        """reserve() for a plan with quotas: one script takes from its buckets and quotas at once, each quota's
+        key in Redis given what this process knows of it (its floor: a key that vanished starts there)."""
+        periods = self.quotas.periods
+        periods.now()
+        keys = q.store_keys(shared.prefix, periods)
+        slots = tuple([s.current(periods.numbers[n.period]) for n, s in zip(q.needs, q.slots)])
+        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s, keys,
+                                   quota_args(q.needs, slots, tokens))
         if result is None:
-            return self._alone(plan, tokens, costs, shared, cfg)
-        refused, levels = result
+            return self._alone(plan, tokens, costs, shared, cfg, keys)
+        refused, values = result
+        n = len(plan.needs)
+        levels = values[:n]
+        for s, used in zip(slots, values[n:]):
+            s.heard(used)
         plan.seen = levels
+        if refused >= n:
+            j = refused - n
+            self.metrics.limit_refused("quota")
+            need, s = q.needs[j], slots[j]
+            raise quota_refusal(plan.principal, need, float(need.limit), s.used, tokens, periods.ends[need.period],
+                                periods.clock(), line_headers(self._quota_lines(q.needs, slots)))
         if refused >= 0:
             self._refuse(plan, plan.caps, levels, costs, refused)
-        return self._taken(plan, plan.caps, levels, tokens, True)
+        return self._taken(plan, plan.caps, levels, tokens, True, slots, keys)
 
     def _alone(self, plan: Plan, tokens: int, costs: tuple[int, ...], shared: SharedBuckets,
-               cfg: LimitsConfig) -> Reservation:
+               cfg: LimitsConfig, qkeys: tuple[str, ...] = ()) -> Reservation:
         """take() on this process's share while Redis is unusable. The share: the processes it last saw in Redis,
         and never fewer than [limits] processes (what a process that never reached Redis goes by; a larger
         count seen wins, so a deployment that grew is not counted short). This process's buckets carry over
         from outage to outage (never refilled but by time), and at an outage's start come down to its share of
-        what Redis last said they held; what it takes is owed to Redis for when it is back."""
+        what Redis last said they held; its quotas split what was left of them then. What it takes is owed to
+        Redis for when it is back."""
         share = max(self.local_share(), cfg.processes)
         now = self.local.clock()
         if plan.outage != shared.outages:
@@ -340,14 +415,20 @@ class Limiter:
             if seen is not None:
                 self.local.lower_slots(plan.slots, tuple([c / share for c in plan.caps]),
                                        tuple([level / share for level in seen]), now)
-        held = self.take(plan, tokens, now, share)
+        held = self.take(plan, tokens, now, share, shared.outages)
         shared.owe(plan.needs, costs)
+        if held.qslots:
+            held.qkeys = qkeys
+            shared.charge_quotas(qkeys, plan.quotas.needs if plan.quotas else (), held.qslots, held.qperiods, tokens)
         return held
 
     def _taken(self, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
-               shared: bool) -> Reservation:
+               shared: bool, qslots: tuple[QuotaSlot, ...] = (), qkeys: tuple[str, ...] = ()) -> Reservation:
         self.unsettled += 1
-        return Reservation(self, plan, caps, levels, tokens, shared, plan_lines(plan, caps, levels))
+        text = plan_lines(plan, caps, levels)
+        if qslots and plan.quotas is not None:
+            text += self._quota_lines(plan.quotas.needs, qslots)
+        return Reservation(self, plan, caps, levels, tokens, shared, text, qslots, qkeys)
 
     def _refuse(self, plan: Plan, caps: tuple[float, ...], levels: list[float], costs: tuple[int, ...],
                 refused: int) -> NoReturn:
@@ -358,12 +439,16 @@ class Limiter:
         """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
         self.unsettled -= 1
         plan, caps = r.plan, r.caps
-        if not plan.token_needs:
+        if not plan.token_needs and not r.qslots:
             return
         # used_tokens(o), written out: this runs for every request of a limited key
         delta = (o.prompt_tokens + o.completion_tokens if o is not None and o.result in CHARGED else 0) - r.tokens
         if delta == 0:
             return
+        if r.qslots:
+            self._settle_quotas(r, delta)
+            if not plan.token_needs:
+                return
         if r.shared and self.shared is not None:
             self.shared.settle(plan.token_needs, delta)
             return
@@ -377,3 +462,22 @@ class Limiter:
             token_caps = plan.token_caps if caps is plan.caps else tuple(
                 [c for c, t in zip(caps, plan.tokens_at) if t])
             self.local.adjust_slots(plan.token_slots, token_caps, delta)
+
+    def _settle_quotas(self, r: Reservation, delta: int) -> None:
+        """A request's quotas charged its usage instead of its estimate: here at once (in the period it was taken
+        in), and in Redis with the next batch of settlements."""
+        for s, period in zip(r.qslots, r.qperiods):
+            if s.period == period:
+                s.used += delta
+        if self.shared is not None and r.qkeys and r.plan.quotas is not None:
+            self.shared.charge_quotas(r.qkeys, r.plan.quotas.needs, r.qslots, r.qperiods, delta)
+
+
+def quota_args(needs: Sequence[Any], slots: Sequence[QuotaSlot], tokens: int) -> list[int]:
+    """The take script's arguments of each quota: its tokens, the cost, this process's floor (what it knows Redis
+    held: what it knows used, less what it has not sent yet), when the key may go, and what it has not sent."""
+    out: list[int] = []
+    for n, s in zip(needs, slots):
+        unsent = max(math.ceil(s.unsent), 0)
+        out += [n.limit, tokens, max(int(s.used - s.unsent), 0), expire_ms(n.period, s.period), unsent]
+    return out

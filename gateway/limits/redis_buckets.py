@@ -8,11 +8,13 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config import StateConfig
 from gateway.limits.buckets import Need
+from gateway.limits.quotas import QuotaNeed, QuotaSlot, period_text
+from gateway.limits.redis_quotas import QSETTLE, QUOTA_LUA, QuotaCharges
 from gateway.limits.resp import RespConnection, RespError
 
 if TYPE_CHECKING:
@@ -67,21 +69,46 @@ local function level(i, limit)
   return math.min(limit, l + (now - at) * limit / 60000)
 end
 """
-# ARGV: n limits, then n costs. All buckets or none are charged. Returns the first bucket without room (0: none)
-# and every level, after the charge when there was one.
-TAKE = _LEVEL + """
-local levels, refused = {}, 0
-for i = 1, n do
-  levels[i] = level(i, tonumber(ARGV[i]))
-  if refused == 0 and levels[i] < tonumber(ARGV[n + i]) then refused = i end
+# KEYS: b buckets, then the quotas (gateway/limits/redis_quotas.py). ARGV: b, the b limits, the b costs, then per
+# quota: its tokens, the cost, the floor, when its key may go (ms), and what the caller charged it and has not
+# sent yet (counted in the check, not charged: it comes with the caller's next batch). All buckets and quotas or
+# none are charged.
+# Returns the first without room (0: none; quotas first: the longer wait), every bucket's level and every quota's
+# tokens used, after the charge when there was one.
+TAKE = _LEVEL + QUOTA_LUA + """
+local b = tonumber(ARGV[1])
+local levels, used, refused = {}, {}, 0
+for i = 1, b do
+  levels[i] = level(i, tonumber(ARGV[1 + i]))
+end
+for j = 1, n - b do
+  local a = 1 + 2 * b + 5 * (j - 1)
+  local quota = tonumber(ARGV[a + 1])
+  local u, bad = used_of(b + j, quota, tonumber(ARGV[a + 3]))
+  if bad then store_used(b + j, u, tonumber(ARGV[a + 4])) end
+  used[j] = u
+  if refused == 0 and u + tonumber(ARGV[a + 2]) + tonumber(ARGV[a + 5]) > quota then refused = b + j end
+end
+if refused == 0 then
+  for i = 1, b do
+    if levels[i] < tonumber(ARGV[1 + b + i]) then refused = i break end
+  end
 end
 local out = {refused}
-for i = 1, n do
+for i = 1, b do
   if refused == 0 then
-    levels[i] = levels[i] - tonumber(ARGV[n + i])
-    store(i, tonumber(ARGV[i]), levels[i])
+    levels[i] = levels[i] - tonumber(ARGV[1 + b + i])
+    store(i, tonumber(ARGV[1 + i]), levels[i])
   end
   out[i + 1] = string.format('%.17g', levels[i])
+end
+for j = 1, n - b do
+  local a = 1 + 2 * b + 5 * (j - 1)
+  if refused == 0 then
+    used[j] = used[j] + tonumber(ARGV[a + 2])
+    store_used(b + j, used[j], tonumber(ARGV[a + 4]))
+  end
+  out[1 + b + j] = string.format('%.17g', used[j])
 end
 return out
 """
@@ -97,7 +124,7 @@ return n
 FAILURES = (RespError, OSError, TimeoutError)  # ConnectionError is an OSError
 # A reply that is not TAKE's (a script of another version under the same name, a proxy's answer): a failure too.
 TAKE_FAILURES = (*FAILURES, ValueError, TypeError, IndexError)
-SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE)}
+SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE, QSETTLE)}
 PROBE_LIMIT = 1 << 30  # the probe's bucket: never short, so that every probe writes
 RESTART_HOLD_S = 60.0  # [limits] restart_hold_s's default: how long buckets of a Redis that restarted are not trusted
 RUN_CHECK_S = 1.0  # while connected, whether Redis is still the same server is asked this often
@@ -140,6 +167,9 @@ class SharedBuckets:
         self.untrusted_until = 0.0
         self.hold_s = RESTART_HOLD_S  # [limits] restart_hold_s, as the last check passed it
         self.restart_key = f"{state.key_prefix}ratelimit-restarted"  # tells processes that start meanwhile
+        self.quotas = QuotaCharges()
+        # This process's view of every quota it saw used this period (the limiter's Quotas.known).
+        self.quota_view: Callable[[], list[tuple[QuotaNeed, QuotaSlot]]] = list
         self._next_run_check = 0.0
 
     async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -153,10 +183,11 @@ class SharedBuckets:
         await self.conn.call("SCRIPT", "LOAD", script)
         return await self.conn.call("EVALSHA", SHA[script], len(keys), *keys, *args)
 
-    async def take(self, needs: tuple[Need, ...], costs: tuple[int, ...], timeout_s: float,
-                   hold_s: float = 60.0) -> tuple[int, list[float]] | None:
-        """(index of the first bucket without room or -1, levels), or None: decide locally. `hold_s`: how long
-        buckets of a Redis that restarted are not trusted ([limits] restart_hold_s)."""
+    async def take(self, needs: tuple[Need, ...], costs: tuple[int, ...], timeout_s: float, hold_s: float = 60.0,
+                   quota_keys: Sequence[str] = (), quota_args: Sequence[int] = ()) -> tuple[int, list[float]] | None:
+        """(index of the first bucket or quota without room (quotas after the buckets) or -1, the buckets' levels
+        then the quotas' tokens used), or None: decide locally. `hold_s`: how long buckets of a Redis that
+        restarted are not trusted ([limits] restart_hold_s). `quota_args`: see limiter.quota_args."""
         if not self.up:
             self.metrics.limit_local("unavailable")
             return None
@@ -166,7 +197,8 @@ class SharedBuckets:
             return None
         try:
             async with asyncio.timeout(timeout_s):
-                out = await self._eval(TAKE, [self.prefix + n.name for n in needs], [*(n.limit for n in needs), *costs])
+                out = await self._eval(TAKE, [*(self.prefix + n.name for n in needs), *quota_keys],
+                                       [len(needs), *(n.limit for n in needs), *costs, *quota_args])
             return int(out[0]) - 1, [float(v) for v in out[1:]]
         except TimeoutError as e:
             self.metrics.limit_local("timeout")
@@ -184,6 +216,14 @@ class SharedBuckets:
                 self._pending[n.name] = [n.limit, delta]
             else:
                 entry[0], entry[1] = n.limit, entry[1] + delta
+
+    def charge_quotas(self, keys: Sequence[str], needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot],
+                      periods: Sequence[int], delta: int) -> None:
+        """Queue a charge of `delta` tokens to each quota (a settlement, or what this process took alone)."""
+        self.quotas.charge(keys, needs, slots, periods, delta)
+
+    def quota_key(self, need: QuotaNeed, slot: QuotaSlot) -> str:
+        return f"{self.prefix}{need.name}:{period_text(need.period, slot.period)}"
 
     def owe(self, needs: tuple[Need, ...], costs: Sequence[int]) -> None:
         """What this process took from (or, settling, gave back to) its own buckets while deciding alone: charged
@@ -218,10 +258,10 @@ class SharedBuckets:
                 self.conn = await RespConnection.open(self.url)
             await self.conn.call("PING")
             await self._check_run()
-            for script in (TAKE, SETTLE):  # loaded once up front: checks then send only the digest
+            for script in (TAKE, SETTLE, QSETTLE):  # loaded once up front: checks then send only the digest
                 await self.conn.call("SCRIPT", "LOAD", script)
             if write:
-                await self.conn.call("EVALSHA", SHA[TAKE], 1, self.probe_key, PROBE_LIMIT, 1)
+                await self.conn.call("EVALSHA", SHA[TAKE], 1, self.probe_key, 1, PROBE_LIMIT, 1)
 
     async def _check_run(self) -> None:
         """Whether this is still the Redis whose buckets this process used. One that is not lost them all (a
@@ -237,6 +277,7 @@ class SharedBuckets:
         if self.run_id is not None and run_id != self.run_id:
             self.untrusted_until = time.monotonic() + self.hold_s
             self.outages += 1  # this process's buckets come down to its share of what it last saw, as in an outage
+            self.quotas.restore_due = True  # and its view of each quota goes back (flush)
             if hold_ms > 0:
                 await self.conn.call("SET", self.restart_key, run_id, "PX", hold_ms)
             log.warning("Redis restarted or was replaced (a new run id) and lost the rate-limit buckets: limits "
@@ -287,6 +328,8 @@ class SharedBuckets:
                     await self._check_run()
             except FAILURES as e:
                 self._down(e)
+        if self.up and (self.quotas.restore_due or self.quotas.pending):
+            await self._flush_quotas()
         if self._owed and self.up:
             owed, self._owed = self._owed, {}
             for name, (limit, amount) in (await self._send(owed)).items():
@@ -294,6 +337,23 @@ class SharedBuckets:
         if self._pending:
             pending, self._pending = self._pending, {}
             self.dropped += len(await self._send(pending))
+
+    async def _flush_quotas(self) -> None:
+        """A Redis that lost the quotas first gets this process's view of each; charges wait until its buckets
+        are trusted again (so that every process's view is in before any charge), then go in batches."""
+        async def run(keys: list[str], args: list[Any]) -> Any:
+            async with asyncio.timeout(self.background_timeout_s):
+                return await self._eval(QSETTLE, keys, args)
+
+        try:
+            if self.quotas.restore_due:
+                await self.quotas.restore(run, self.quota_view(), self.quota_key)
+            if self.quotas.pending and not (self.untrusted_until and time.monotonic() < self.untrusted_until):
+                await self.quotas.send(run)
+        except FAILURES as e:
+            self._down(e)
+        except (ValueError, TypeError) as e:  # not QSETTLE's reply: kept, and sent again later
+            log.warning("token quota charges not taken by Redis: %r", e)
 
     async def _settle_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
