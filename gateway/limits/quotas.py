@@ -150,6 +150,11 @@ class Quotas:
         self.periods.now()
         return [(n, s) for n, s in self._slots.values() if s.period == self.periods.numbers[n.period] and s.used > 0]
 
+    def used(self, need: QuotaNeed, period: int) -> float:
+        """The tokens of `need` used in `period` as this process knows them (0: none it knows of)."""
+        known = self._slots.get(need.name)
+        return known[1].used if known is not None and known[1].period == period else 0.0
+
     def check(self, principal: str, needs: tuple[QuotaNeed, ...], slots: tuple[QuotaSlot, ...], cost: int,
               share: int, outage: int, headers: Callable[[], dict[str, str]]) -> tuple[QuotaSlot, ...]:
         """The slots of this period if each quota has room for `cost` more tokens (not charged yet), else the 429
@@ -260,3 +265,10 @@ def expire_ms(period: str, number: int) -> int:
     """When a quota's key in the shared store may go: a day after its period ended (so a listing just after
     midnight still finds the day that ended), as Unix time in ms."""
     return int((period_end(period, number) + 86400.0) * 1000)
+
+
+def report_row(need: QuotaNeed, used: float, periods: Periods) -> dict[str, object]:
+    """One quota as the key listings show it: period, model (None: the key's own), tokens, used, and when it
+    resets (UTC, ISO 8601)."""
+    return {"period": need.period, "model": need.model, "limit": need.limit, "used": max(math.floor(used), 0),
+            "resets": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(periods.ends[need.period]))}

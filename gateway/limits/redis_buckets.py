@@ -222,6 +222,26 @@ class SharedBuckets:
         """Queue a charge of `delta` tokens to each quota (a settlement, or what this process took alone)."""
         self.quotas.charge(keys, needs, slots, periods, delta)
 
+    async def read_quotas(self, keys: list[str]) -> list[float | None] | None:
+        """The tokens used of each quota key (None: none there, or not a number), read off the request path (a
+        listing); None when Redis is unusable."""
+        if not self.up or self.conn is None:
+            return None
+        try:
+            async with asyncio.timeout(self.background_timeout_s * 4):
+                values: list[Any] = []
+                for start in range(0, len(keys), 1000):
+                    values += await self.conn.call("MGET", *keys[start:start + 1000])
+        except FAILURES:
+            return None
+        out: list[float | None] = []
+        for v in values:
+            try:
+                out.append(float(v) if v is not None else None)
+            except ValueError:
+                out.append(None)
+        return out
+
     def quota_key(self, need: QuotaNeed, slot: QuotaSlot) -> str:
         return f"{self.prefix}{need.name}:{period_text(need.period, slot.period)}"
 
