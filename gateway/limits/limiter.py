@@ -330,10 +330,11 @@ class Limiter:
         periods.now()
         keys = q.store_keys(shared.prefix, periods)
         slots = tuple([s.current(periods.numbers[n.period]) for n, s in zip(q.needs, q.slots)])
+        take_key = shared.take_key()
         result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s, keys,
-                                   quota_args(q.needs, slots, tokens))
+                                   quota_args(q.needs, slots, tokens), take_key)
         if result is None:
-            return self._alone(plan, tokens, costs, shared, cfg, keys)
+            return self._alone(plan, tokens, costs, shared, cfg, keys, take_key if shared.uncertain else "")
         refused, values = result
         n = len(plan.needs)
         levels = values[:n]
@@ -351,7 +352,7 @@ class Limiter:
         return self._taken(plan, plan.caps, levels, tokens, True, slots, keys)
 
     def _alone(self, plan: Plan, tokens: int, costs: tuple[int, ...], shared: SharedBuckets,
-               cfg: LimitsConfig, qkeys: tuple[str, ...] = ()) -> Reservation:
+               cfg: LimitsConfig, qkeys: tuple[str, ...] = (), take_key: str = "") -> Reservation:
         """take() on this process's share while Redis is unusable. The share: the processes it last saw in Redis,
         and never fewer than [limits] processes (what a process that never reached Redis goes by; a larger
         count seen wins, so a deployment that grew is not counted short). This process's buckets carry over
@@ -368,9 +369,12 @@ class Limiter:
                                        tuple([level / share for level in seen]), now)
         held = self.take(plan, tokens, now, share, shared.outages)
         shared.owe(plan.needs, costs)
-        if held.qslots:
+        if held.qslots and plan.quotas is not None:
             held.qkeys = qkeys
-            shared.charge_quotas(qkeys, plan.quotas.needs if plan.quotas else (), held.qslots, held.qperiods, tokens)
+            if take_key:  # Redis may have run the take whose answer was lost: charged there unless it did
+                shared.quotas.charge_take(take_key, qkeys, plan.quotas.needs, held.qslots, held.qperiods, tokens)
+            else:
+                shared.charge_quotas(qkeys, plan.quotas.needs, held.qslots, held.qperiods, tokens)
         return held
 
     def _taken(self, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,

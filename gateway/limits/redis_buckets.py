@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.config import StateConfig
 from gateway.limits.buckets import Need
 from gateway.limits.quotas import QuotaNeed, QuotaSlot, period_text
-from gateway.limits.redis_quotas import QSETTLE, QUOTA_LUA, QuotaCharges
+from gateway.limits.redis_quotas import QSETTLE, QTAKE, QUOTA_LUA, TAKE_ID_MS, QuotaCharges
 from gateway.limits.resp import RespConnection, RespError
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ local function level(i, limit)
   return math.min(limit, l + (now - at) * limit / 60000)
 end
 """
-# KEYS: b buckets, then the quotas (gateway/limits/redis_quotas.py). ARGV: b, the b limits, the b costs, then per
+# KEYS: b buckets, then the quotas (gateway/limits/redis_quotas.py) and, with quotas, the take's own key (its id:
+# set when the quotas are charged, so that a process that did not hear the answer and charges them alone later
+# does not charge them twice: QTAKE). ARGV: b, the b limits, the b costs, then per
 # quota: its tokens, the cost, the floor, when its key may go (ms), and what the caller charged it and has not
 # sent yet (counted in the check, not charged: it comes with the caller's next batch). All buckets and quotas or
 # none are charged.
@@ -78,10 +81,12 @@ end
 TAKE = _LEVEL + QUOTA_LUA + """
 local b = tonumber(ARGV[1])
 local levels, used, refused = {}, {}, 0
+local m = 0
+if n > b then m = n - b - 1 end
 for i = 1, b do
   levels[i] = level(i, tonumber(ARGV[1 + i]))
 end
-for j = 1, n - b do
+for j = 1, m do
   local a = 1 + 2 * b + 5 * (j - 1)
   local quota = tonumber(ARGV[a + 1])
   local u, bad = used_of(b + j, quota, tonumber(ARGV[a + 3]))
@@ -102,7 +107,8 @@ for i = 1, b do
   end
   out[i + 1] = string.format('%.17g', levels[i])
 end
-for j = 1, n - b do
+if refused == 0 and m > 0 then redis.call('SET', KEYS[n], '1', 'PX', """ + str(TAKE_ID_MS) + """) end
+for j = 1, m do
   local a = 1 + 2 * b + 5 * (j - 1)
   if refused == 0 then
     used[j] = used[j] + tonumber(ARGV[a + 2])
@@ -124,7 +130,7 @@ return n
 FAILURES = (RespError, OSError, TimeoutError)  # ConnectionError is an OSError
 # A reply that is not TAKE's (a script of another version under the same name, a proxy's answer): a failure too.
 TAKE_FAILURES = (*FAILURES, ValueError, TypeError, IndexError)
-SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE, QSETTLE)}
+SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SETTLE, QSETTLE, QTAKE)}
 PROBE_LIMIT = 1 << 30  # the probe's bucket: never short, so that every probe writes
 RESTART_HOLD_S = 60.0  # [limits] restart_hold_s's default: how long buckets of a Redis that restarted are not trusted
 RUN_CHECK_S = 1.0  # while connected, whether Redis is still the same server is asked this often
@@ -168,6 +174,9 @@ class SharedBuckets:
         self.hold_s = RESTART_HOLD_S  # [limits] restart_hold_s, as the last check passed it
         self.restart_key = f"{state.key_prefix}ratelimit-restarted"  # tells processes that start meanwhile
         self.quotas = QuotaCharges()
+        self.uncertain = False  # whether the last take that answered None may have been run by Redis all the same
+        self._token = secrets.token_hex(6)
+        self._takes = 0
         # This process's view of every quota it saw used this period (the limiter's Quotas.known).
         self.quota_view: Callable[[], list[tuple[QuotaNeed, QuotaSlot]]] = list
         self._next_run_check = 0.0
@@ -184,10 +193,14 @@ class SharedBuckets:
         return await self.conn.call("EVALSHA", SHA[script], len(keys), *keys, *args)
 
     async def take(self, needs: tuple[Need, ...], costs: tuple[int, ...], timeout_s: float, hold_s: float = 60.0,
-                   quota_keys: Sequence[str] = (), quota_args: Sequence[int] = ()) -> tuple[int, list[float]] | None:
+                   quota_keys: Sequence[str] = (), quota_args: Sequence[int] = (),
+                   take_key: str = "") -> tuple[int, list[float]] | None:
         """(index of the first bucket or quota without room (quotas after the buckets) or -1, the buckets' levels
         then the quotas' tokens used), or None: decide locally. `hold_s`: how long buckets of a Redis that
-        restarted are not trusted ([limits] restart_hold_s). `quota_args`: see limiter.quota_args."""
+        restarted are not trusted ([limits] restart_hold_s). `quota_args`: see limiter.quota_args; `take_key`:
+        this take's own key (take_key()). After None, `uncertain` says whether Redis may have run it anyway
+        (a timeout, a lost connection, a reply not understood)."""
+        self.uncertain = False
         if not self.up:
             self.metrics.limit_local("unavailable")
             return None
@@ -197,16 +210,23 @@ class SharedBuckets:
             return None
         try:
             async with asyncio.timeout(timeout_s):
-                out = await self._eval(TAKE, [*(self.prefix + n.name for n in needs), *quota_keys],
-                                       [len(needs), *(n.limit for n in needs), *costs, *quota_args])
+                keys = [*(self.prefix + n.name for n in needs), *quota_keys, *((take_key,) if quota_keys else ())]
+                out = await self._eval(TAKE, keys, [len(needs), *(n.limit for n in needs), *costs, *quota_args])
             return int(out[0]) - 1, [float(v) for v in out[1:]]
         except TimeoutError as e:
             self.metrics.limit_local("timeout")
+            self.uncertain = True
             self._down(e)
         except TAKE_FAILURES as e:
             self.metrics.limit_local("error")
+            self.uncertain = not isinstance(e, RespError)  # an error reply: the script did not run, or undid nothing
             self._down(e)
         return None
+
+    def take_key(self) -> str:
+        """A key of its own for one take with quotas (see TAKE): unique across processes and restarts."""
+        self._takes += 1
+        return f"{self.prefix}quota-take:{self._token}:{self._takes}"
 
     def settle(self, needs: tuple[Need, ...], delta: int) -> None:
         """Queue a settlement; merged per bucket, so what waits is bounded by the number of buckets."""
@@ -278,7 +298,7 @@ class SharedBuckets:
                 self.conn = await RespConnection.open(self.url)
             await self.conn.call("PING")
             await self._check_run()
-            for script in (TAKE, SETTLE, QSETTLE):  # loaded once up front: checks then send only the digest
+            for script in (TAKE, SETTLE, QSETTLE, QTAKE):  # loaded once up front: checks then send only the digest
                 await self.conn.call("SCRIPT", "LOAD", script)
             if write:
                 await self.conn.call("EVALSHA", SHA[TAKE], 1, self.probe_key, 1, PROBE_LIMIT, 1)
@@ -348,7 +368,7 @@ class SharedBuckets:
                     await self._check_run()
             except FAILURES as e:
                 self._down(e)
-        if self.up and (self.quotas.restore_due or self.quotas.pending):
+        if self.up and (self.quotas.restore_due or self.quotas.pending or self.quotas.takes):
             await self._flush_quotas()
         if self._owed and self.up:
             owed, self._owed = self._owed, {}
@@ -368,8 +388,11 @@ class SharedBuckets:
         try:
             if self.quotas.restore_due:
                 await self.quotas.restore(run, self.quota_view(), self.quota_key)
-            if self.quotas.pending and not (self.untrusted_until and time.monotonic() < self.untrusted_until):
-                await self.quotas.send(run)
+            if not (self.untrusted_until and time.monotonic() < self.untrusted_until):
+                if self.quotas.takes:
+                    await self.quotas.send_takes(self._eval)
+                if self.quotas.pending:
+                    await self.quotas.send(run)
         except FAILURES as e:
             self._down(e)
         except (ValueError, TypeError) as e:  # not QSETTLE's reply: kept, and sent again later

@@ -3,7 +3,6 @@ what was taken alone) queued per quota and sent in batches off the request path,
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
@@ -56,13 +55,29 @@ for k = 1, #KEYS do
 end
 return out
 """
+TAKE_ID_MS: Final = 600_000  # how long a take's own key says it was charged: longer than any outage is waited out
+# KEYS[1]: a take's own key; then its quotas. ARGV per quota: quota, tokens, floor, expire-at. What a process took
+# alone after its take's answer was lost (a timeout: Redis may have run it all the same): charged unless the take's
+# key says it was. Returns 1 when charged here, 0 when it had been.
+QTAKE_BODY: Final = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for k = 2, #KEYS do
+  local a = 4 * (k - 2)
+  local quota = tonumber(ARGV[a + 1])
+  local u, bad = used_of(k, quota, tonumber(ARGV[a + 3]))
+  if bad then u = quota else u = u + tonumber(ARGV[a + 2]) end
+  store_used(k, u, tonumber(ARGV[a + 4]))
+end
+redis.call('SET', KEYS[1], '1', 'PX', """ + str(TAKE_ID_MS) + """)
+return 1
+"""
 FINITE_LUA: Final = """
 local function finite(x)
   return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge
 end
 """
 QSETTLE: Final = FINITE_LUA + QUOTA_LUA + QSETTLE_BODY
-QSETTLE_SHA: Final = hashlib.sha1(QSETTLE.encode()).hexdigest()
+QTAKE: Final = FINITE_LUA + QUOTA_LUA + QTAKE_BODY
 MAX_QUOTA_BATCH: Final = 256  # quotas per call
 
 
@@ -70,10 +85,10 @@ class Charge:
     """Tokens to charge one quota's key, merged: its quota, the sum of the charges, when the key may go, and the
     slot they were charged to here (in `period`) so that what is sent leaves its `unsent`."""
 
-    __slots__ = ("limit", "delta", "expire", "slot", "period")
+    __slots__ = ("limit", "delta", "expire", "slot", "period", "key")
 
-    def __init__(self, limit: int, expire: int, slot: QuotaSlot, period: int) -> None:
-        self.limit, self.delta, self.expire, self.slot, self.period = limit, 0, expire, slot, period
+    def __init__(self, limit: int, expire: int, slot: QuotaSlot, period: int, key: str = "") -> None:
+        self.limit, self.delta, self.expire, self.slot, self.period, self.key = limit, 0, expire, slot, period, key
 
     def floor(self) -> int:
         """What this process knows the key held before its unsent charges (0 once the slot moved on)."""
@@ -91,6 +106,33 @@ class QuotaCharges:
     def __init__(self) -> None:
         self.pending: dict[str, Charge] = {}
         self.restore_due = False  # a Redis that lost the quotas is told this process's view of each, once
+        # take key -> what it charged each quota, for takes whose answer was lost (one per such take: few, since
+        # the process decides alone without asking after one) and that it served alone.
+        self.takes: dict[str, list[Charge]] = {}
+
+    def charge_take(self, take_key: str, keys: Sequence[str], needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot],
+                    periods: Sequence[int], tokens: int) -> None:
+        """A take Redis may have run, served alone: its tokens charged unless its key says they were."""
+        charges = []
+        for key, n, s, period in zip(keys, needs, slots, periods):
+            c = Charge(n.limit, expire_ms(n.period, period), s, period, key)
+            c.delta = tokens
+            if s.period == period:
+                s.unsent += tokens
+            charges.append(c)
+        self.takes[take_key] = charges
+
+    async def send_takes(self, run: Callable[[str, list[str], list[Any]], Awaitable[Any]]) -> None:
+        """Send each lost take's charge (QTAKE); one that fails stays for the next round (raises its error)."""
+        for take_key, charges in list(self.takes.items()):
+            args: list[Any] = []
+            for c in charges:
+                args += [c.limit, c.delta, c.floor(), c.expire]
+            await run(QTAKE, [take_key, *(c.key for c in charges)], args)
+            del self.takes[take_key]
+            for c in charges:
+                if c.slot.period == c.period:
+                    c.slot.unsent -= c.delta
 
     def charge(self, keys: Sequence[str], needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot],
                periods: Sequence[int], delta: int) -> None:

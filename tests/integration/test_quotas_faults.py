@@ -25,10 +25,12 @@ USED = 11
 BODY = {"model": "m1", "messages": [{"role": "user", "content": "a question of some length " * 5}], "max_tokens": 1}
 QUOTA = 30 * USED
 SENDS = 80  # 5 a second for 16 s, alternating replicas
+OTHER_KEY = "sk-test-other-key"
 
 
 async def start_pair(tmp_path: Path, engine: FakeEngine, redis_url: str) -> list[Proc]:
     keys = [{"id": "user", "sha256": hash_key(USER_KEY), "limits": {"tokens_per_day": QUOTA}},
+            {"id": "other", "sha256": hash_key(OTHER_KEY), "limits": {"tokens_per_day": QUOTA}},
             {"id": "ops", "sha256": hash_key(ADMIN_KEY), "admin": True, "limits": {}}]
     cfg = gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m1"]}], auth={"keys": keys},
                          limits={"redis_timeout_s": 0.05, "processes": 2},
@@ -140,3 +142,45 @@ async def test_a_day_quota_holds_across_two_replicas_under_redis_faults(tmp_path
             await p.stop()
         for p in procs:
             assert "Traceback" not in p.stderr_text()
+
+
+async def sequential(procs: list[Proc], key: str, n: int) -> tuple[int, set[str]]:
+    """`n` requests one after another, a fifth of a second apart, replicas alternating: how many were served, and
+    the refusals' codes."""
+    served, codes = 0, set()
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            async with s.post(procs[i % 2].url + "/v1/chat/completions", json=BODY,
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                body = await r.json()
+                served += r.status == 200
+                if r.status != 200:
+                    codes.add(body["error"]["code"])
+            await asyncio.sleep(0.2)  # each request's settlement (its estimate down to its usage) sent meanwhile
+    return served, codes
+
+
+async def test_a_flushed_quota_keeps_its_count_and_a_malformed_one_is_used_up(tmp_path, engine, redis):
+    await redis.start()
+    procs = await start_pair(tmp_path, engine, redis.url)
+    r = redis_asyncio.Redis.from_url(redis.url)
+    try:
+        first, codes = await sequential(procs, USER_KEY, 10)
+        assert first == 10, codes
+        await asyncio.sleep(0.5)  # the settlements sent
+        await r.flushdb()  # the quota's key is gone, the server the same: each replica's view carries it on
+        more, codes = await sequential(procs, USER_KEY, 40)
+        print(f"flushed: {first} served before, {more} after, of a quota of {QUOTA // USED} requests")
+        assert (first + more) * USED <= QUOTA + USED and codes == {"quota_exceeded"}
+        # Not a number: the quota is used up for the rest of the day, that key's alone.
+        day = (await r.keys("quotas:ratelimit:quota:tokens-day:5:other:*")) or [None]
+        other_key = f"quotas:ratelimit:quota:tokens-day:5:other:{time.strftime('%Y-%m-%d', time.gmtime())}"
+        assert day == [None]
+        await r.set(other_key, "plenty")
+        served, codes = await sequential(procs, OTHER_KEY, 6)
+        assert served == 0 and codes == {"quota_exceeded"}
+        assert float(await r.get(other_key)) >= QUOTA and await r.pttl(other_key) > 0
+    finally:
+        for p in procs:
+            await p.stop()
+        await r.aclose()

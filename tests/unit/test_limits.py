@@ -339,7 +339,7 @@ class FakeShared:
         self.owed: dict[str, int] = {}
         self.settled: dict[str, int] = {}
 
-    async def take(self, needs, costs, timeout_s, hold_s=60.0, quota_keys=(), quota_args=()):
+    async def take(self, needs, costs, timeout_s, hold_s=60.0, quota_keys=(), quota_args=(), take_key=""):
         if self.levels is None:
             return None
         refused = next((i for i, (level, cost) in enumerate(zip(self.levels, costs)) if level < cost), -1)

@@ -158,7 +158,12 @@ class FakeShared:
         self.outages = 0
         self.charged: dict[str, int] = {}
 
-    async def take(self, needs, costs, timeout_s, hold_s=60.0, quota_keys=(), quota_args=()):
+    uncertain = False  # the store was known down: nothing was sent
+
+    def take_key(self) -> str:
+        return "p:quota-take:1"
+
+    async def take(self, needs, costs, timeout_s, hold_s=60.0, quota_keys=(), quota_args=(), take_key=""):
         if self.used is None:
             return None
         args = [quota_args[i:i + 5] for i in range(0, len(quota_args), 5)]
