@@ -338,8 +338,9 @@ class Limiter:
         refused, values = result
         n = len(plan.needs)
         levels = values[:n]
+        settled = shared.settled()
         for s, used in zip(slots, values[n:]):
-            s.heard(used)
+            s.heard(used, settled)
         plan.seen = levels
         if refused >= n:
             j = refused - n

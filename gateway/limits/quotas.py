@@ -111,10 +111,12 @@ class QuotaSlot:
             self.period, self.used, self.unsent, self.base, self.outage, self.fresh = period, 0.0, 0.0, 0.0, 0, False
         return self
 
-    def heard(self, used: float) -> None:
-        """What the shared store says it holds (this process's unsent charges come on top)."""
+    def heard(self, used: float, settled: bool = True) -> None:
+        """What the shared store says it holds (this process's unsent charges come on top). `settled`: whether
+        it holds what every process took alone in the last outage too; only then is what it says new enough to
+        split again."""
         self.used = used + self.unsent
-        self.fresh = True
+        self.fresh = self.fresh or settled
 
     def alone(self, outage: int) -> None:
         """Deciding alone in `outage`: what is left is split from what the shared store last said, once per thing

@@ -134,6 +134,7 @@ SHA = {script: hashlib.sha1(script.encode()).hexdigest() for script in (TAKE, SE
 PROBE_LIMIT = 1 << 30  # the probe's bucket: never short, so that every probe writes
 RESTART_HOLD_S = 60.0  # [limits] restart_hold_s's default: how long buckets of a Redis that restarted are not trusted
 RUN_CHECK_S = 1.0  # while connected, whether Redis is still the same server is asked this often
+SETTLED_S = PROBE_S + 5 * SETTLE_S  # Redis usable this long: every process sent what it took alone
 
 
 def run_id_of(info: object) -> bytes:
@@ -175,6 +176,7 @@ class SharedBuckets:
         self.restart_key = f"{state.key_prefix}ratelimit-restarted"  # tells processes that start meanwhile
         self.quotas = QuotaCharges()
         self.uncertain = False  # whether the last take that answered None may have been run by Redis all the same
+        self.up_since = 0.0  # monotonic: when Redis became usable (again)
         self._token = secrets.token_hex(6)
         self._takes = 0
         # This process's view of every quota it saw used this period (the limiter's Quotas.known).
@@ -222,6 +224,12 @@ class SharedBuckets:
             self.uncertain = not isinstance(e, RespError)  # an error reply: the script did not run, or undid nothing
             self._down(e)
         return None
+
+    def settled(self) -> bool:
+        """Whether Redis has been usable long enough for every process to have sent what it took alone meanwhile
+        (its probe, then a batch): what Redis says of a quota is then the whole story, and a process may split
+        what is left again when it next decides alone (QuotaSlot.alone)."""
+        return time.monotonic() - self.up_since >= SETTLED_S
 
     def take_key(self) -> str:
         """A key of its own for one take with quotas (see TAKE): unique across processes and restarts."""
@@ -338,7 +346,7 @@ class SharedBuckets:
                 if self.conn is not None:
                     self.conn.close()
                 continue
-            self.up = True
+            self.up, self.up_since = True, time.monotonic()
             log.warning("rate limits shared through Redis again")
             return
 
@@ -392,7 +400,7 @@ class SharedBuckets:
                 if self.quotas.takes:
                     await self.quotas.send_takes(self._eval)
                 if self.quotas.pending:
-                    await self.quotas.send(run)
+                    await self.quotas.send(run, self.settled())
         except FAILURES as e:
             self._down(e)
         except (ValueError, TypeError) as e:  # not QSETTLE's reply: kept, and sent again later
@@ -410,7 +418,7 @@ class SharedBuckets:
         """The gateway's lifetime: connected and the scripts loaded up front, settlements sent until the end."""
         try:
             await self._connect()
-            self.up = True
+            self.up, self.up_since = True, time.monotonic()
         except FAILURES as e:
             self.up = True  # so that _down() logs it, counts the outage and starts the probe
             self._down(e)

@@ -55,7 +55,10 @@ for k = 1, #KEYS do
 end
 return out
 """
-TAKE_ID_MS: Final = 600_000  # how long a take's own key says it was charged: longer than any outage is waited out
+# How long a take's own key says it was charged. The process that lost the answer tells Redis within a second of
+# it answering again (the probe, then the next batch), and the script ran only once Redis answered again: a minute
+# is room enough, and a key per request with quotas for a minute is what it costs (about 100 bytes each).
+TAKE_ID_MS: Final = 60_000
 # KEYS[1]: a take's own key; then its quotas. ARGV per quota: quota, tokens, floor, expire-at. What a process took
 # alone after its take's answer was lost (a timeout: Redis may have run it all the same): charged unless the take's
 # key says it was. Returns 1 when charged here, 0 when it had been.
@@ -156,8 +159,9 @@ class QuotaCharges:
         if items:
             log.warning("told Redis the token quotas this process knew of (%d): it had lost them", len(items))
 
-    async def send(self, run: Eval) -> None:
-        """Send every pending charge in batches; what one that fails held is merged back (raises its error)."""
+    async def send(self, run: Eval, settled: bool) -> None:
+        """Send every pending charge in batches; what one that fails held is merged back (raises its error).
+        `settled`: see SharedBuckets.settled."""
         pending, self.pending = self.pending, {}
         items = list(pending.items())
         try:
@@ -171,7 +175,7 @@ class QuotaCharges:
                     del pending[key]
                     if c.slot.period == c.period:
                         c.slot.unsent -= c.delta
-                        c.slot.heard(float(u))
+                        c.slot.heard(float(u), settled)
         finally:
             for key, c in pending.items():  # not sent: back in the queue, merged with what came since
                 later = self.pending.get(key)

@@ -160,6 +160,9 @@ class FakeShared:
 
     uncertain = False  # the store was known down: nothing was sent
 
+    def settled(self) -> bool:
+        return True
+
     def take_key(self) -> str:
         return "p:quota-take:1"
 
