@@ -229,10 +229,11 @@ class Limiter:
         what was left when it began)."""
         share = share or self.share
         q = plan.quotas
-        if share == 1 and plan.common and q is None:
+        if share == 1 and plan.common:
             # The usual plan (a requests and a tokens bucket) at whole limits, the path every request of such a key
             # takes: unrolled. Anything else, a refusal included (it says why), goes the general way below, which
-            # decides the same (a test holds them together).
+            # decides the same (a test holds them together). Quotas first: checked, charged once the buckets were.
+            qslots: tuple[QuotaSlot, ...] = self._quota_check(plan, q, tokens, 1, outage) if q is not None else ()
             r, t = plan.slots
             rcap, tcap = plan.caps
             rlevel, tlevel = level_at(r, rcap, now), level_at(t, tcap, now)
@@ -249,15 +250,18 @@ class Limiter:
                          f"{thead}{floor(tlevel)}\r\n"
                          f"x-ratelimit-reset-tokens: {MS_TEXTS[tms] if tms < 1000 else reset_text(tms)}\r\n")
                 self.unsettled += 1
-                return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False, lines)
+                if q is None:
+                    return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False, lines)
+                for s in qslots:
+                    s.used += tokens
+                return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False,
+                                   lines + self.quotas.lines(q, qslots), qslots)
         costs = plan.costs(tokens)
         # With several processes and no shared store, this process's share: never below one request or the
         # tokens of this one.
         caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
                                                    for c, cost in zip(plan.caps, costs)])
-        qslots: tuple[QuotaSlot, ...] = ()
-        if q is not None:
-            qslots = self._quota_check(plan, q, tokens, share, outage)
+        qslots = self._quota_check(plan, q, tokens, share, outage) if q is not None else ()
         refused, levels = self.local.take_slots(plan.slots, caps, costs, now)
         if refused >= 0:
             self._refuse(plan, caps, levels, costs, refused)
@@ -301,7 +305,7 @@ class Limiter:
 
     def _quota_lines(self, needs: Sequence[Any], slots: Sequence[QuotaSlot]) -> str:
         p = self.quotas.periods
-        return quota_lines(needs, slots, p.ends, p.now(), duration)
+        return quota_lines(needs, slots, p.ends, p.now())
 
     async def reserve(self, plan: Plan, tokens: int, cfg: LimitsConfig) -> Reservation:
         """take(), from the buckets and quotas shared through Redis when the state is (this process's, on its share
@@ -383,7 +387,7 @@ class Limiter:
         self.unsettled += 1
         text = plan_lines(plan, caps, levels)
         if qslots and plan.quotas is not None:
-            text += self._quota_lines(plan.quotas.needs, qslots)
+            text += self.quotas.lines(plan.quotas, qslots)
         return Reservation(self, plan, caps, levels, tokens, shared, text, qslots, qkeys)
 
     def _refuse(self, plan: Plan, caps: tuple[float, ...], levels: list[float], costs: tuple[int, ...],

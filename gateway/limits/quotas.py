@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from gateway.errors import GatewayError, retry_after_header
+from gateway.limits.headers import duration_ms
 
 # Why fixed periods and not buckets: a quota is a budget ("a million tokens a day"), read against an invoice's
 # calendar, so it resets at 00:00 UTC (a day) and on the 1st at 00:00 UTC (a month), the same instant for every
@@ -135,6 +136,7 @@ class Quotas:
     def __init__(self, clock: WallClock = time.time) -> None:
         self.periods = Periods(clock)
         self._slots: dict[str, tuple[QuotaNeed, QuotaSlot]] = {}
+        self._resets: dict[str, tuple[int, str]] = {}  # period -> (seconds to its end, their text)
 
     def slots(self, needs: tuple[QuotaNeed, ...]) -> tuple[QuotaSlot, ...]:
         self.periods.now()
@@ -159,21 +161,42 @@ class Quotas:
 
     def check(self, principal: str, needs: tuple[QuotaNeed, ...], slots: tuple[QuotaSlot, ...], cost: int,
               share: int, outage: int, headers: Callable[[], dict[str, str]]) -> tuple[QuotaSlot, ...]:
-        """The slots of this period if each quota has room for `cost` more tokens (not charged yet), else the 429
-        of the first without. `share`: how many processes split what is left (1: the whole quota); `outage`: the
-        outage this process decides alone in (0: none), whose start fixes what is left to split."""
+        """`slots`, in the current periods, if each quota has room for `cost` more tokens (not charged yet), else
+        the 429 of the first without. `share`: how many processes split what is left (1: the whole quota);
+        `outage`: the outage this process decides alone in (0: none; see QuotaSlot.alone). One pass, per request."""
         p = self.periods
         p.now()
-        cur = tuple([s.current(p.numbers[n.period]) for n, s in zip(needs, slots)])
-        for s in cur:
-            s.alone(outage)
-        caps = [(n.limit - s.base) / share if share > 1 else n.limit - s.base for n, s in zip(needs, cur)]
-        i = shortest(needs, cur, caps, [s.base for s in cur], cost)
-        if i >= 0:
-            n, s = needs[i], cur[i]
-            raise quota_refusal(principal, n, caps[i] + s.base, s.used, cost, p.ends[n.period], p.clock(),
-                                headers())
-        return cur
+        numbers = p.numbers
+        for n, s in zip(needs, slots):
+            if s.period != numbers[n.period]:
+                s.current(numbers[n.period])
+            if s.outage != outage:
+                s.alone(outage)
+            room = (n.limit - s.base) / share if share > 1 else n.limit - s.base
+            if s.used - s.base + cost > room:
+                raise quota_refusal(principal, n, room + s.base, s.used, cost, p.ends[n.period], p.clock(),
+                                    headers())
+        return slots
+
+    def lines(self, q: PlanQuotas, slots: Sequence[QuotaSlot]) -> str:
+        """quota_lines() for a plan's quotas, the reset texts made once a second (a period ends in hours: whole
+        seconds say enough) and each quota's head text made once."""
+        p = self.periods
+        now = p.now()
+        if not q.one_per_period:
+            return quota_lines(q.needs, slots, p.ends, now)
+        out = ""
+        for n, s, head, tail in zip(q.needs, slots, q.heads, q.tails):
+            left = n.limit - s.used
+            out += f"{head}{math.floor(left) if left > 0 else 0}{tail}{self._reset(n.period, now)}\r\n"
+        return out
+
+    def _reset(self, period: str, now: float) -> str:
+        left = int(self.periods.ends[period] - now)
+        known = self._resets.get(period)
+        if known is None or known[0] != left:
+            known = self._resets[period] = (left, reset_text(left))
+        return known[1]
 
 
 def shortest(needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot], caps: Sequence[float], base: Sequence[float],
@@ -191,8 +214,12 @@ QUOTA_HEADERS: Final = {period: (f"x-ratelimit-limit-tokens-{period}", f"x-ratel
                                  f"x-ratelimit-reset-tokens-{period}") for period in PERIODS}
 
 
-def quota_lines(needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot], ends: dict[str, float], now: float,
-                duration: Callable[[float], str]) -> str:
+def reset_text(seconds: int) -> str:
+    """Whole seconds as OpenAI's reset headers write a duration: 45s, 6m0s, 13h2m5s."""
+    return duration_ms(max(seconds, 0) * 1000)
+
+
+def quota_lines(needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot], ends: dict[str, float], now: float) -> str:
     """The x-ratelimit-*-tokens-{day,month} triple of each period the key has a quota in, from its tightest
     quota (the least remaining), as reply-head lines; reset: the time until the period ends."""
     best: dict[str, tuple[float, int]] = {}
@@ -204,7 +231,7 @@ def quota_lines(needs: Sequence[QuotaNeed], slots: Sequence[QuotaSlot], ends: di
     for period, (left, limit) in best.items():
         a, b, c = QUOTA_HEADERS[period]
         out += (f"{a}: {limit}\r\n{b}: {max(math.floor(left), 0)}\r\n"
-                f"{c}: {duration(max(ends[period] - now, 0.0))}\r\n")
+                f"{c}: {reset_text(int(ends[period] - now))}\r\n")
     return out
 
 
@@ -232,11 +259,17 @@ class PlanQuotas:
     """The quotas one key's requests for one model draw from (the key's, then the model's), their slots in this
     process, and their names in the shared store for the current periods (made again only when one ends)."""
 
-    __slots__ = ("needs", "slots", "keys", "keys_at")
+    __slots__ = ("needs", "slots", "keys", "keys_at", "one_per_period", "heads", "tails")
 
     def __init__(self, needs: tuple[QuotaNeed, ...]) -> None:
         self.needs = needs
         self.slots: tuple[QuotaSlot, ...] = ()
+        # Without per-model quotas each period has one quota: its header lines need no search for the tightest,
+        # and their fixed parts are made here once.
+        self.one_per_period = len({n.period for n in needs}) == len(needs)
+        self.heads = tuple([f"{QUOTA_HEADERS[n.period][0]}: {n.limit}\r\n{QUOTA_HEADERS[n.period][1]}: "
+                            for n in needs])
+        self.tails = tuple([f"\r\n{QUOTA_HEADERS[n.period][2]}: " for n in needs])
         self.keys: tuple[str, ...] = ()
         self.keys_at: tuple[int, ...] = ()
 
