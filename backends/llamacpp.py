@@ -7,14 +7,14 @@ import time
 import orjson
 
 from backends.openai_http import OpenAIHTTPBackend, count, load_from_gauges, parse_gauges
+from gateway.apis.registry import ENGINE_APIS
 from gateway.contracts import LoadSample
 
 
 class LlamaCppBackend(OpenAIHTTPBackend):
     engine = "llamacpp"
     # (rerank needs --rerank, transcriptions a model that hears: a 404 or a refusal says so per request)
-    apis = frozenset({"chat", "completions", "embeddings", "responses", "responses_input_tokens", "messages",
-                      "count_tokens", "rerank", "transcriptions"})
+    apis = ENGINE_APIS - {"response", "response_cancel", "score", "translations"}
     health_path = "/health"
     metrics_path = "/metrics"
     slots_path = "/slots"

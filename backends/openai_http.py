@@ -11,12 +11,10 @@ import orjson
 from backends.http1 import HostPool
 from backends.http1_response import Response
 from backends.slots import Slots
-from gateway.apis.audio import with_form_model
+from gateway.apis.api import FORM, Api
+from gateway.apis.audio import FORM_KEY, forwarded_content_type
+from gateway.apis.registry import ENGINE_APIS
 from gateway.contracts import LoadSample, ProbeResult, UpstreamCall, UpstreamError
-
-# Routes whose streams report usage only when asked (stream_options.include_usage); the others always do.
-USAGE_ON_REQUEST = frozenset({"chat", "completions"})
-FORMS = frozenset({"transcriptions", "translations"})
 
 # Two HTTP clients reach an engine, each where it fits. Generations (clients', the warm-up's, the support probe's)
 # go through forward(): HostPool (backends/http1.py), the lean llhttp client the request path is measured with,
@@ -106,12 +104,10 @@ class OpenAIHTTPBackend:
     # Top-level fields of its replies (and stream chunks) that are the engine's own, not OpenAI's: the gateway
     # drops them unless [server] (or the backend's) engine_private_fields keeps them.
     private_fields: ClassVar[tuple[str, ...]] = ()
-    # The API routes (gateway/apis/table.py's names) the engine serves. A route it answers with a 404 for its path
-    # is learned as not served at run time too (gateway/fleet/pool.py), so a newer build that serves more only
-    # needs its name here.
-    apis: ClassVar[frozenset[str]] = frozenset({"chat", "completions", "embeddings", "responses", "response",
-                                                "response_cancel", "responses_input_tokens", "transcriptions",
-                                                "translations"})
+    # The API routes (the names of gateway/apis/registry.py's ENGINE_APIS) the engine serves. A route it answers
+    # with a 404 for its path is learned as not served at run time too (gateway/fleet/pool.py), so a newer build that
+    # serves more only needs its name here.
+    apis: ClassVar[frozenset[str]] = ENGINE_APIS - {"messages", "count_tokens", "rerank", "score"}
 
     def __init__(self, *, id: str, url: str, session: aiohttp.ClientSession, api_key: str | None = None,
                  connect_timeout: float = 2.0, idle_timeout: float = 60.0, pool_limit: int = 512,
@@ -126,28 +122,35 @@ class OpenAIHTTPBackend:
         self._idle_timeout = idle_timeout
         self._keepalive = keepalive_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # The key itself, scrubbed from anything of the engine's the gateway relays (an engine may echo it).
+        self.secret = api_key.encode() if api_key else None
 
     # -- request translation -------------------------------------------------------------------
-    def prepare(self, route: str, body: dict[str, Any], raw: bytes, native_model: str, force_usage: bool) -> bytes:
+    def prepare(self, api: Api, body: dict[str, Any], raw: bytes, native_model: str, force_usage: bool) -> bytes:
         """The upstream body: the client's bytes unchanged unless a field must change."""
-        if route in FORMS:
-            return raw if native_model == body.get("model") else with_form_model(raw, native_model)
+        if api.body == FORM:  # always re-encoded: the engine reads the form the gateway read (gateway/apis/audio.py)
+            return body[FORM_KEY].encode(native_model)
         changes: dict[str, Any] = {}
         if native_model != body.get("model") and "model" in body:
             changes["model"] = native_model
-        if force_usage and body.get("stream") is True and route in USAGE_ON_REQUEST:
+        if force_usage and body.get("stream") is True and api.usage_on_request:
             opts = body.get("stream_options")
             if not (isinstance(opts, dict) and opts.get("include_usage") is True):
                 changes["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
-        if self.needs_max_tokens and route == "chat" and "max_completion_tokens" in body and "max_tokens" not in body:
+        if self.needs_max_tokens and api.name == "chat" and "max_completion_tokens" in body \
+                and "max_tokens" not in body:
             changes["max_tokens"] = body["max_completion_tokens"]
         if not changes:
             return raw
         return orjson.dumps({**body, **changes})
 
     def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
-        # (a form's own Content-Type, with its boundary, comes as "Content-Type" in client_headers and wins)
+        # (a form's own Content-Type, with its boundary, comes as "Content-Type" in client_headers and wins, written
+        # as the gateway read it: the boundary its form is re-encoded with, no other parameter)
         h = {"Content-Type": "application/json", **client_headers}
+        form_type = client_headers.get("Content-Type")
+        if form_type is not None:
+            h["Content-Type"] = forwarded_content_type(form_type)
         if self._auth:
             h.update(self._auth)
         return h

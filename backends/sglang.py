@@ -7,13 +7,13 @@ import time
 import orjson
 
 from backends.openai_http import OpenAIHTTPBackend, load_from_gauges, parse_gauges
+from gateway.apis.registry import ENGINE_APIS
 from gateway.contracts import LoadSample
 
 
 class SGLangBackend(OpenAIHTTPBackend):
     engine = "sglang"
-    apis = frozenset({"chat", "completions", "embeddings", "responses", "response", "response_cancel", "messages",
-                      "count_tokens", "rerank", "score", "transcriptions"})
+    apis = ENGINE_APIS - {"responses_input_tokens", "translations"}
     health_path = "/health"
     liveness_path = "/ping"  # always 200 once the server is up, even while starting: liveness, not readiness
     deep_probe_generates = True  # /health runs a one-token generation

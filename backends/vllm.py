@@ -1,12 +1,12 @@
 """vLLM adapter: /health (connection refused while loading, 503 when the engine died) and vllm: gauges."""
 
 from backends.openai_http import OpenAIHTTPBackend
+from gateway.apis.registry import ENGINE_APIS
 
 
 class VLLMBackend(OpenAIHTTPBackend):
     engine = "vllm"
-    apis = frozenset({"chat", "completions", "embeddings", "responses", "response", "response_cancel", "messages",
-                      "count_tokens", "rerank", "score", "transcriptions", "translations"})
+    apis = ENGINE_APIS - {"responses_input_tokens"}
     health_path = "/health"
     metrics_path = "/metrics"
     metric_names = {

@@ -21,6 +21,7 @@ from benchmarks import kit
 from gateway.config import ShapeConfig
 from gateway.contracts import BackendView, LatencyEstimate, LoadSample, RouteInput
 from gateway.routing.affinity import AffinityIndex
+from gateway.apis.chat import CHAT
 from gateway.routing.shape import classify, session_of
 
 TARGET_US = 50.0
@@ -80,7 +81,7 @@ def measure(n_backends: int, decisions: int, seed: int) -> dict:
     cfg = ShapeConfig()
     views = tuple(backends(n_backends, rng))
     reqs = bodies(rng)
-    shapes = [classify(route="chat", body=b, session=session_of(b, h), principal="p", cfg=cfg) for b, h in reqs]
+    shapes = [classify(api=CHAT, body=b, session=session_of(CHAT, b, h), principal="p", cfg=cfg) for b, h in reqs]
     index = AffinityIndex(max_entries=100_000, ttl_s=600.0, block_chars=cfg.prefix_block_chars)
     for i, s in enumerate(shapes):
         index.record(s, views[i % n_backends].id)
@@ -93,7 +94,7 @@ def measure(n_backends: int, decisions: int, seed: int) -> dict:
         policy = cls(params())
         out[f"rank:{name}"] = time_per_call(policy.rank, inputs, decisions)
     out["classify (parse excluded, prefix hashes on)"] = time_per_call(
-        lambda bh: classify(route="chat", body=bh[0], session=session_of(*bh), principal="p", cfg=cfg), reqs,
+        lambda bh: classify(api=CHAT, body=bh[0], session=session_of(CHAT, *bh), principal="p", cfg=cfg), reqs,
         decisions // 4)
     out["affinity lookup"] = time_per_call(index.lookup, shapes, decisions)
     out["affinity record"] = time_per_call(lambda s: index.record(s, "b1"), shapes, decisions // 4)

@@ -1,9 +1,9 @@
-"""The support probe's matrix for a simulator portfolio and for the real llama-server and vLLM of tests/e2e.
+"""The support probe's tables for a simulator portfolio and for the real llama-server and vLLM of tests/e2e.
 
 Starts the three simulator flavours (tiny profiles) in this process, then the real engines the e2e suite
 uses (built and cached under ~/.cache/shapegate on first use, which takes minutes), probes each set the way
 `shapegate probe` does, and writes benchmarks/results/probe.md: the machine, the load before and after,
-the engines' versions, and each matrix with its reasons.
+the engines' versions, and each probe's tables with their reasons.
 
 Usage: python3 -m benchmarks.probe [--timeout S] [--no-real]
 """
@@ -59,7 +59,7 @@ async def probed(title: str, cfg: GatewayConfig, urls: dict[str, str], timeout: 
     rows = await probe_all(cfg, timeout)
     took = time.monotonic() - started
     return [f"## {title}", "", f"Engines: {', '.join(versions)}. Probe took {took:.1f} s "
-            f"(backends at once, checks one at a time; timeout {timeout:g} s a request).", "",
+            f"(backends at once, {cfg.probe.concurrency} checks of a backend at a time; {timeout:g} s a check).", "",
             "```", *render(rows, cfg.probe.require), "```", ""]
 
 
@@ -117,9 +117,11 @@ async def main_async(args: argparse.Namespace) -> str:
         f"Commit {kit.commit()}, {kit.utc_date()}; {kit.host()}; {load.format(*load_before)} before, "
         f"{load.format(*load_after)} after.", "",
         f"Command: `{kit.command('benchmarks.probe')}`. Required checks: {', '.join(REQUIRE)}.", "",
-        "Cells: `yes`; `no` (the engine answered, and not with the feature); `error` (no answer, a timeout, a "
-        "5xx, a reply that is not HTTP or JSON); the context column is the window verified (a prompt near its "
-        "top served, one past it refused as too long). The real engines serve a tiny model with random "
+        "Cells: `yes`; `no (S)` (the engine answered with HTTP status S, or answered without the API or feature); "
+        "`error` (no answer, a timeout, a 5xx but 501, a reply that is not HTTP or JSON); `partial` (stored "
+        "responses: GET served, DELETE not); `gateway` (the gateway serves it itself); the context column is the "
+        "window verified (a prompt near its top served, one past it refused as too long). What each column asks: "
+        "docs/apis.md. The real engines serve a tiny text model with random "
         "weights: a `no` for tools or json_schema there may be the model's, not the engine's (its reason says "
         "when a reply was cut at max_tokens).", "",
     ]
@@ -128,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per engine request (default 60)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per check (default 60)")
     parser.add_argument("--no-real", dest="real", action="store_false", help="the simulators only")
     args = parser.parse_args()
     text = asyncio.run(main_async(args))

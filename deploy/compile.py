@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # engine adapters (compiled classes cannot be subclassed from plain Python), and what runs off the request path.
 COMPILED = (
     "gateway.contracts", "gateway.errors", "gateway.hot_settings", "gateway.runtime", "gateway.pipeline",
+    "gateway.upstream",
     "gateway.apis", "gateway.http", "gateway.routing",
     "gateway.fleet.pool", "gateway.fleet.health", "gateway.stats.rolling", "gateway.stats.key_usage",
     "gateway.keys.auth", "gateway.keys.principal", "gateway.limits.limiter", "gateway.limits.buckets",

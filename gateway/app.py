@@ -22,11 +22,15 @@ from gateway.errors import GatewayError
 from gateway.experiments.share import ExperimentShare
 from gateway.experiments.share import share_loop as experiment_share_loop
 from gateway.fleet.health import load_loop, probe_loop
-from gateway.http.front import API_ROUTES, Front, start_serving
+from gateway.apis.api import Api
+from gateway.apis.registry import known_paths
+from gateway.errors import model_not_found
+from gateway.http.front import Front, start_serving
 from gateway.http.inner import PEER_HEADER, unknown_path
 from gateway.observe.loop_watch import GcWatch, release_heap, settle_heap, watch_lag
 from gateway.ops.admin_experiments import EXPERIMENT_SHARE, change_experiment, list_experiments
 from gateway.ops.admin_keys import admin_binding, create_key, list_keys, revoke_key
+from gateway.ops.admin_probe import PROBE_RUNNER, ProbeRunner, probe_report, stop_probe
 from gateway.ops.keys_view import keys_view
 from gateway.ops.reload import RELOADER, Reloader, admin_reload
 from gateway.ops.replica_sync import ReplicaSync
@@ -78,14 +82,31 @@ async def unmatched(request: web.Request) -> web.Response:
                       if r.resource is not None and r.resource.canonical == request.path and r.method != "*"})
     if allowed:
         raise web.HTTPMethodNotAllowed(request.method, allowed)
-    known = {*API_ROUTES, *(r.resource.canonical for r in request.app.router.routes() if r.resource is not None)}
+    known = {*known_paths(), *(r.resource.canonical for r in request.app.router.routes() if r.resource is not None)}
     raise GatewayError(404, unknown_path(request.path, known), code="not_found")
+
+
+def _model_card(g: Gateway, model: str) -> dict:
+    card: dict = {"id": model, "object": "model", "created": g.started, "owned_by": "shapegate"}
+    window = g.pool.largest_window(model)
+    if window is not None:
+        card["max_model_len"] = window  # the largest context window among its backends, as vLLM's cards say it
+    return card
 
 
 async def models(request: web.Request) -> web.Response:
     g: Gateway = request.app[GATEWAY]
-    data = [{"id": m, "object": "model", "created": g.started, "owned_by": "shapegate"} for m in g.pool.models()]
+    data = [_model_card(g, m) for m in g.pool.models()]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: one model's card (a model id may hold slashes); an unknown one is model_not_found."""
+    g: Gateway = request.app[GATEWAY]
+    name = request.match_info["model"]
+    if not g.pool.serves(name):
+        raise model_not_found(name[:256])
+    return web.Response(body=orjson.dumps(_model_card(g, name)), content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -136,6 +157,13 @@ async def experiments(request: web.Request) -> web.Response:
     return await list_experiments(request)
 
 
+async def probe(request: web.Request) -> web.Response:
+    """GET /admin/probe: an admin key or the dashboard's sign-in cookie, as for /stats."""
+    if not signed_in(request):
+        request.app[GATEWAY].auth.require_admin(request.headers)
+    return await probe_report(request)
+
+
 DASHBOARD_SECRET: web.AppKey[bytes] = web.AppKey("dashboard_secret", bytes)
 FEED_HISTORY: web.AppKey[FeedHistory] = web.AppKey("feed_history", FeedHistory)
 
@@ -169,7 +197,14 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
     for b in g.pool.all():
         b.adapter.close()
     await session.close()
-    await g.stored.close()  # its last writes to Redis, within their timeout
+    for t in list(g.background_tasks):
+        t.cancel()  # each records itself as failed (the gateway stopped) before it ends
+    if g.background_tasks:
+        await asyncio.wait(list(g.background_tasks), timeout=g.cfg.state.redis_timeout_s * 4)
+    if g.engine_index is not None:
+        await g.engine_index.close()  # its last writes to Redis, within their timeout
+    if g.store is not None:
+        await g.store.close()
 
 
 async def shared_limits(app: web.Application) -> AsyncIterator[None]:
@@ -290,12 +325,13 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     app[RELOADER] = Reloader(app[GATEWAY], config_path)
     r = app.router  # the API routes themselves are served by the front (gateway/http/front.py)
     r.add_get("/v1/models", guarded(models))
+    r.add_get("/v1/models/{model:.+}", guarded(model))
     # Liveness and readiness answer without a key (orchestrators); /metrics asks for an admin key itself
     # when configured to (read per scrape, so that a reload applies).
     r.add_get("/healthz", guarded(healthz, key=False))
     r.add_get("/readyz", guarded(readyz, key=False))
     r.add_get("/metrics", guarded(metrics, key=False))
-    r.add_get("/stats", guarded(stats))
+    r.add_get("/stats", guarded(stats, key=False))  # its own check: admin key or the dashboard cookie
     app[DASHBOARD_SECRET] = dashboard_secret(cfg)
     if cfg.dashboard.enabled:
         gw = app[GATEWAY]
@@ -312,6 +348,9 @@ def build_app(cfg: GatewayConfig, config_path: str | None = None) -> web.Applica
     r.add_post("/admin/reload", guarded(admin_reload))
     r.add_get("/admin/experiments", guarded(experiments, key=False))  # its own check: admin key or cookie
     r.add_put("/admin/experiments/{name}", guarded(change_experiment))
+    r.add_get("/admin/probe", guarded(probe, key=False))  # its own check: admin key or cookie
+    app[PROBE_RUNNER] = ProbeRunner()
+    app.on_shutdown.append(stop_probe)
     r.add_get("/admin/keys", guarded(list_keys))
     r.add_post("/admin/keys", guarded(create_key))
     r.add_delete("/admin/keys/{id}", guarded(revoke_key))
@@ -330,6 +369,6 @@ async def serve(app: web.Application, host: str, port: int, *, reuse_port: bool 
     its settings, request ids and refusal count. `await front.close(timeout)` stops it."""
     g = app[GATEWAY]
     # Typed as the pipeline takes it, so that mypy checks here that the front's exchange is an Exchange.
-    api: Callable[[Exchange, str], Awaitable[object]] = functools.partial(serve_api, g)
+    api: Callable[[Exchange, Api], Awaitable[object]] = functools.partial(serve_api, g)
     return await start_serving(app, host, port, owner=g, api=api, reuse_port=reuse_port,
                                shutdown_timeout=shutdown_timeout)

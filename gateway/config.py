@@ -9,8 +9,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+import policies
 from backends import engine_names
 from gateway.config_base import CLASS_NAMES, Strict
+from gateway.config_errors import did_you_mean, error_lines
 from gateway.config_experiments import ExperimentConfig, ProbeConfig
 
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
@@ -227,6 +229,25 @@ class StateConfig(Strict):
     stored_response_ttl_s: float = Field(86_400.0, gt=0)  # kept this long after it was made (engines forget on restart)
 
 
+class ResponsesConfig(Strict):
+    # "gateway": stored responses and conversations are kept by the gateway (memory, or Redis with [state] backend =
+    # "redis") and every turn is routed like any request; "engine": passed through to the engines that keep them.
+    state: Literal["gateway", "engine"] = "gateway"
+    ttl_s: float = Field(2_592_000.0, gt=0)  # a stored response or conversation is kept this long after its last write
+    max_response_bytes: int = Field(4 << 20, ge=1024)  # one stored response: its input items and the Response object
+    max_per_key: int = Field(10_000, ge=1)  # stored responses per key: past it the key's oldest go first
+    max_bytes_per_key: int = Field(256 << 20, ge=1024)
+    max_total: int = Field(200_000, ge=16)  # stored responses in all: past it the oldest of all go first
+    max_total_bytes: int = Field(1 << 30, ge=1 << 20)
+    max_conversations_per_key: int = Field(10_000, ge=1)  # past it, creating another is refused (409)
+    max_conversation_items: int = Field(10_000, ge=1)  # past it, adding items is refused (400)
+    max_conversation_bytes: int = Field(16 << 20, ge=1024)
+    cache_bytes: int = Field(64 << 20, ge=0)  # with Redis: recent records kept here too (checked, never trusted alone)
+    # One Redis call of the store (a turn's record is written before its final event: a slow moment must not lose it)
+    store_timeout_s: float = Field(2.0, gt=0)
+    background_timeout_s: float = Field(600.0, gt=0)  # a `background: true` response runs this long at most
+
+
 class MetricsConfig(Strict):
     enabled: bool = True
     require_admin: bool = False
@@ -276,7 +297,7 @@ class BackendConfig(Strict):
     def _known_engine(cls, v: str) -> str:
         known = engine_names()
         if v not in known:
-            raise ValueError(f"unknown engine {v!r}; expected one of {', '.join(known)}")
+            raise ValueError(f"unknown engine {v!r}{did_you_mean(v, known)}; expected one of {', '.join(known)}")
         return v
 
     @field_validator("models", mode="before")
@@ -319,6 +340,7 @@ class GatewayConfig(Strict):
     health: HealthConfig = HealthConfig()
     admission: AdmissionConfig = AdmissionConfig()
     state: StateConfig = StateConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     metrics: MetricsConfig = MetricsConfig()
     stats: StatsConfig = StatsConfig()
     dashboard: DashboardConfig = DashboardConfig()
@@ -335,50 +357,56 @@ class GatewayConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _unique_backends(self) -> "GatewayConfig":
-        ids = [b.id for b in self.backends]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"backend ids must be unique: {', '.join(dupes)}")
+    def _across_sections(self) -> "GatewayConfig":
+        problems = across_sections(self)
+        if problems:
+            raise ValueError("\n".join(problems))  # one line each: every problem at once
         return self
 
-    @model_validator(mode="after")
-    def _experiments_fit(self) -> "GatewayConfig":
-        served = {b.id: b.models for b in self.backends}
-        names, modes = set(), {}
-        for i, x in enumerate(self.experiments):
-            where = f"experiments.{i}"
-            if x.name in names:
-                raise ValueError(f"{where}.name: experiment names must be unique ({x.name!r} twice)")
-            names.add(x.name)
-            if not any(x.model in m for m in served.values()):
-                raise ValueError(f"{where}.model: no backend serves model {x.model!r}")
-            if (x.model, x.mode) in modes:
-                raise ValueError(f"{where}: model {x.model!r} already has a {x.mode} experiment "
-                                 f"({modes[x.model, x.mode]!r}); one of each mode per model")
-            modes[x.model, x.mode] = x.name
-            for j, arm in enumerate(x.arms):
-                for b in arm.backends:
-                    if b not in served:
-                        raise ValueError(f"{where}.arms.{j}.backends: unknown backend {b!r}")
-                    if x.model not in served[b]:
-                        raise ValueError(f"{where}.arms.{j}.backends: backend {b!r} does not serve {x.model!r}")
-        # A backend that serves a model's split arm must not also be kept out of serving it as a shadow arm.
-        for x in self.experiments:
-            if x.mode != "shadow":
-                continue
-            shadowed = {b for a in x.arms for b in a.backends}
-            for y in self.experiments:
-                if y.mode == "split" and y.model == x.model:
-                    both = sorted(shadowed & {b for a in y.arms for b in a.backends})
-                    if both:
-                        raise ValueError(f"backend {both[0]!r} is an arm of split experiment {y.name!r} and of "
-                                         f"shadow experiment {x.name!r}: an arm cannot be in two modes at once")
-            if all(set(served[b]) and x.model in served[b] and b in shadowed
-                   for b in served if x.model in served[b]):
-                raise ValueError(f"shadow experiment {x.name!r}: every backend of {x.model!r} is a shadow arm; "
-                                 "leave at least one to serve the model")
-        return self
+
+def across_sections(cfg: GatewayConfig) -> list[str]:
+    """What no single section can check: unique backend ids, experiments that fit the backends. Each line names its
+    field (experiments by name)."""
+    problems = []
+    ids = [b.id for b in cfg.backends]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        problems.append(f"backends: ids must be unique: {', '.join(dupes)}")
+    served = {b.id: b.models for b in cfg.backends}
+    models = {m for b in cfg.backends for m in b.models}
+    names, modes = set(), {}
+    for x in cfg.experiments:
+        where = f"experiments[{x.name}]"
+        if x.name in names:
+            problems.append(f"{where}.name: experiment names must be unique ({x.name!r} twice)")
+        names.add(x.name)
+        if x.model not in models:
+            problems.append(f"{where}.model: no backend serves model {x.model!r}{did_you_mean(x.model, models)}")
+        if (x.model, x.mode) in modes:
+            problems.append(f"{where}: model {x.model!r} already has a {x.mode} experiment "
+                            f"({modes[x.model, x.mode]!r}); one of each mode per model")
+        modes.setdefault((x.model, x.mode), x.name)
+        for arm in x.arms:
+            for b in arm.backends:
+                if b not in served:
+                    problems.append(f"{where}.arms[{arm.name}].backends: unknown backend {b!r}{did_you_mean(b, served)}")
+                elif x.model not in served[b]:
+                    problems.append(f"{where}.arms[{arm.name}].backends: backend {b!r} does not serve {x.model!r}")
+    # A backend that serves a model's split arm must not also be kept out of serving it as a shadow arm.
+    for x in cfg.experiments:
+        if x.mode != "shadow":
+            continue
+        shadowed = {b for a in x.arms for b in a.backends}
+        for y in cfg.experiments:
+            if y.mode == "split" and y.model == x.model:
+                both = sorted(shadowed & {b for a in y.arms for b in a.backends})
+                if both:
+                    problems.append(f"backend {both[0]!r} is an arm of split experiment {y.name!r} and of shadow "
+                                    f"experiment {x.name!r}: an arm cannot be in two modes at once")
+        if all(set(served[b]) and x.model in served[b] and b in shadowed for b in served if x.model in served[b]):
+            problems.append(f"shadow experiment {x.name!r}: every backend of {x.model!r} is a shadow arm; leave at "
+                            "least one to serve the model")
+    return problems
 
 
 class ConfigError(ValueError):
@@ -391,22 +419,6 @@ class ConfigError(ValueError):
 PolicyFactory = Callable[[str, Mapping[str, Any]], object]
 
 
-def _error_lines(err: ValidationError, prefix: tuple[str, ...] = ()) -> list[str]:
-    lines = []
-    for e in err.errors():
-        path = ".".join((*prefix, *(str(p) for p in e["loc"]))) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif e["type"] == "value_error":
-            msg = str(e.get("ctx", {}).get("error", msg))  # our own words, without pydantic's "Value error, "
-        if not e["loc"] and not prefix and msg.startswith("experiments."):
-            lines.append(f"  {msg}")  # a check across sections names its own field
-        else:
-            lines.append(f"  {path}: {msg}")
-    return lines
-
-
 def _invalid(lines: list[str]) -> ConfigError:
     return ConfigError("invalid configuration:\n" + "\n".join(lines))
 
@@ -417,33 +429,49 @@ def _policy_lines(name: str, params: Mapping[str, Any], where: tuple[str, ...],
     try:
         build(name, params)
     except ValidationError as e:
-        return True, _error_lines(e, (*where, "params"))
+        return True, error_lines(e, {}, GatewayConfig, (*where, "params"))
     except ValueError as e:
-        return False, [f"  {'.'.join((*where, 'policy'))}: {e}"]
+        msg = str(e).replace(repr(name), repr(name) + did_you_mean(name, policies.policy_names()), 1)
+        return False, [f"  {'.'.join((*where, 'policy'))}: {msg}"]
     return True, []
 
 
-def check_policies(cfg: GatewayConfig, build: PolicyFactory) -> None:
-    """Every policy the routing section names exists and takes its params; raises ConfigError with their paths."""
-    r = cfg.routing
+def policy_problems(r: RoutingConfig, build: PolicyFactory) -> list[str]:
+    """Why the policies the routing section names do not build (each with its path); empty when they all do."""
     default_known, lines = _policy_lines(r.policy, r.params, ("routing",), build)
     for model, m in r.models.items():
         if m.policy is None and not default_known:
             continue  # inherits the unknown routing.policy, reported once above
         lines += _policy_lines(m.policy or r.policy, m.params, ("routing", "models", model), build)[1]
+    return lines
+
+
+def check_policies(cfg: GatewayConfig, build: PolicyFactory) -> None:
+    """Every policy the routing section names exists and takes its params; raises ConfigError with their paths."""
+    lines = policy_problems(cfg.routing, build)
     if lines:
         raise _invalid(lines)
 
 
 def parse_config(data: dict[str, Any], policies: PolicyFactory) -> GatewayConfig:
     """The validated configuration, its routing policies and their params included (`policies` builds them:
-    gateway.runtime.build_policy)."""
+    gateway.runtime.build_policy). ConfigError lists every problem found, not only the first."""
     try:
         cfg = GatewayConfig.model_validate(data)
     except ValidationError as e:
-        raise _invalid(_error_lines(e)) from None
+        lines = error_lines(e, data, GatewayConfig)
+        routing = _routing_alone(data)  # its policies are checked too when the section itself is valid
+        raise _invalid(lines + (policy_problems(routing, policies) if routing is not None else [])) from None
     check_policies(cfg, policies)
     return cfg
+
+
+def _routing_alone(data: Any) -> RoutingConfig | None:
+    section = data.get("routing", {}) if isinstance(data, dict) else None
+    try:
+        return RoutingConfig.model_validate(section)
+    except ValidationError:
+        return None  # its errors are among the file's already
 
 
 def load_config(path: str | Path, policies: PolicyFactory) -> GatewayConfig:

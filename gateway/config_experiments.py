@@ -81,16 +81,21 @@ class ExperimentConfig(Strict):
         return self
 
 
-# What the support probe (gateway/fleet/probe_checks.py) tries on each backend, in this order.
-PROBE_CHECKS = ("answers", "chat", "completions", "stream", "stream_usage", "n", "tools", "json_schema",
-                "logprobs", "responses", "messages", "context")
+# What the support probe (gateway/fleet/probe_apis.py, probe_checks.py) tries on each backend, in this order:
+# whether the engine answers, one check per API the gateway serves, then features of chat.
+PROBE_APIS = ("chat", "completions", "embeddings", "responses", "response_store", "messages", "rerank", "score",
+              "transcriptions", "translations", "conversations")
+PROBE_FEATURES = ("stream", "stream_usage", "n", "tools", "json_schema", "logprobs", "context")
+PROBE_CHECKS = ("answers", *PROBE_APIS, *PROBE_FEATURES)
 
 
 class ProbeConfig(Strict):
     # Run the support probe (gateway/fleet/probe.py) when a backend becomes ready, and stop routing a model to a
     # backend that fails one of the `require`d checks for it.
     at_start: bool = False
-    timeout_s: float = Field(20.0, gt=0)
+    timeout_s: float = Field(20.0, gt=0)  # each check as a whole (its requests together)
+    # Checks of one backend that run at once: an engine on a CPU has few slots, and clients share them.
+    concurrency: int = Field(2, ge=1, le=16)
     require: tuple[str, ...] = ("chat",)
 
     @field_validator("require")

@@ -39,7 +39,7 @@ class RequestShape(Record):
     """What the gateway knows about a request before routing it."""
 
     FIELDS = ("model", "route", "stream", "prompt_tokens", "output_tokens", "klass", "principal", "session_id",
-              "prefix_hashes", "max_output")
+              "prefix_hashes", "max_output", "fit_tokens")
     __slots__ = FIELDS
     model: Final[str]
     route: Final[str]  # "chat" | "completions" | "embeddings"
@@ -51,10 +51,13 @@ class RequestShape(Record):
     session_id: Final[str | None]
     prefix_hashes: Final[tuple[int, ...]]  # chained block hashes of the prompt, in order
     max_output: Final[int | None]  # the output cap the client asked for, if any
+    # What must fit the context window: the prompt itself, except where the engine runs the input in parts (rerank
+    # and score: one query-document pair at a time, the largest counts)
+    fit_tokens: Final[int]
 
     def __init__(self, model: str, route: str, stream: bool, prompt_tokens: int, output_tokens: int, klass: str,
                  principal: str = "anonymous", session_id: str | None = None, prefix_hashes: tuple[int, ...] = (),
-                 max_output: int | None = None) -> None:
+                 max_output: int | None = None, fit_tokens: int | None = None) -> None:
         self.model = model
         self.route = route
         self.stream = stream
@@ -65,6 +68,7 @@ class RequestShape(Record):
         self.session_id = session_id
         self.prefix_hashes = prefix_hashes
         self.max_output = max_output
+        self.fit_tokens = prompt_tokens if fit_tokens is None else fit_tokens
 
 
 @dataclass(frozen=True, slots=True)

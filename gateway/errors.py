@@ -138,6 +138,7 @@ class ContextRefusal:
 CONTEXT_REFUSALS: Final = (
     ContextRefusal("vLLM before 0.32", "maximum context length", r"has (\d+) input tokens"),
     ContextRefusal("vLLM 0.32", "maximum context length", r"contains at least (\d+) input", exact=False),
+    ContextRefusal("vLLM, Responses API", "exceeds the max_model_len", r"prompt length (\d+) exceeds"),
     ContextRefusal("SGLang", "longer than the model's context length", r"The input \((\d+) tokens\)"),
     ContextRefusal("SGLang, prompt and output", "maximum context length", r"(\d+) tokens from the input"),
     ContextRefusal("OpenAI", "maximum context length", r"resulted in (\d+) tokens"),

@@ -15,7 +15,7 @@ from aiohttp import web
 import backends
 import policies
 from backends.slots import Slots
-from gateway.apis.table import GENERATING
+from gateway.apis.registry import BY_NAME
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, OK, REJECTED, Outcome, Policy, Record, RequestShape
 from gateway.experiments.experiment import ARM_HEADER, PRIMARY, Experiments
@@ -31,7 +31,12 @@ from gateway.observe.metrics import Metrics
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.context import PromptSizer
 from gateway.routing.request import ExperimentRef, RequestState
-from gateway.routing.stored import StoredResponses
+from gateway.state.conversations import ConversationsService
+from gateway.state.engine_index import StoredResponses
+from gateway.state.records import RecordCache
+from gateway.state.redis_store import RedisStore
+from gateway.state.responses import ResponsesService
+from gateway.state.store import MemoryStore, Store
 from gateway.stats.key_usage import KeyUsage
 from gateway.stats.merge import group_report
 from gateway.stats.rolling import OutputEstimator, Tally
@@ -58,8 +63,9 @@ def build_routing(cfg: GatewayConfig) -> tuple[Policy, dict[str, Policy]]:
             {name: build_policy(m.policy or r.policy, m.params) for name, m in r.models.items()})
 
 
-# Routes whose attempts teach a backend's latency model: the generating ones, and embeddings as before.
-LEARNED = GENERATING | {"embeddings"}
+# Routes whose attempts teach a backend's latency model, and those whose outputs teach the output estimator.
+LEARNED: Final = frozenset(name for name, api in BY_NAME.items() if api.learns)
+GENERATING: Final = frozenset(name for name, api in BY_NAME.items() if api.generating)
 
 class EndedAttempt(Record):
     """One attempt on a backend that ended, waiting for the record stage (Gateway.record_soon)."""
@@ -116,11 +122,25 @@ class Gateway:
         self.experiments_cache: tuple[tuple, float, dict] | None = None
         self.sharing = Sharing(cfg.state)  # where this process's stats summary goes, and the others' come from
         self.limiter = self._limiter(cfg)
-        # Stored responses (Responses API): id -> the backend that made it and the key that owns it.
+        # The state clients rely on across requests: stored responses and conversations, kept by the gateway (in
+        # this process, or in Redis for every replica); or, with [responses] state = "engine", by the engines, the
+        # gateway keeping only which backend holds which id (the engine index).
         st = cfg.state
-        self.stored = StoredResponses(st.stored_responses_max, st.stored_response_ttl_s,
-                                      st.redis_url if st.backend == "redis" else None, st.key_prefix,
-                                      st.redis_timeout_s)
+        self.store: Store | None = None
+        self.responses: ResponsesService | None = None
+        self.conversations: ConversationsService | None = None
+        self.engine_index: StoredResponses | None = None
+        if cfg.responses.state == "gateway":
+            shared = st.backend == "redis"
+            self.store = RedisStore(cfg.responses, st) if shared else MemoryStore(cfg.responses)
+            cache = RecordCache(cfg.responses.cache_bytes) if cfg.responses.cache_bytes else None
+            self.responses = ResponsesService(self.store, cfg.responses, cache)
+            self.conversations = ConversationsService(self.store, cfg.responses)
+        else:
+            self.engine_index = StoredResponses(st.stored_responses_max, st.stored_response_ttl_s,
+                                                st.redis_url if st.backend == "redis" else None, st.key_prefix,
+                                                st.redis_timeout_s)
+        self.background_tasks: set = set()  # `background: true` responses running here (gateway/background.py)
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
@@ -204,7 +224,9 @@ class Gateway:
         h["x-shapegate-backend"] = st.backend
         h["x-shapegate-reason"] = st.reason
         if st.split is not None or st.shadow is not None:
-            h[ARM_HEADER] = arm_of(st)
+            arm = arm_of(st)
+            if arm:  # (after a failover outside the experiment's arms, the request served no arm: no header)
+                h[ARM_HEADER] = arm
         return h  # a key with limits: its x-ratelimit headers follow as lines (RequestState.limit_lines)
 
     # -- record stage ----------------------------------------------------------------------------

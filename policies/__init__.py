@@ -14,3 +14,8 @@ REGISTRY: dict[str, tuple[Callable[[Any], Policy], type[BaseModel]]] = {
     "prefix_affinity": (prefix_affinity.PrefixAffinity, prefix_affinity.Params),
     "shape": (shape.Shape, shape_params.Params),
 }
+
+
+def policy_names() -> tuple[str, ...]:
+    """The policy names a configuration may use (for a near match when it names another)."""
+    return tuple(REGISTRY)

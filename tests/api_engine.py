@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, MultipartReader, StreamReader, web
 
 from tests.fake_engine import FakeEngine
 
@@ -22,6 +23,7 @@ class ApiKnobs:
     bad_id: bool = False  # its response ids are not of an id's form
     script: list | None = None  # a stream's bytes, write by write, instead of its events (hostile engines)
     seen: list = field(default_factory=list)  # (method, path, headers, body bytes)
+    forms: list = field(default_factory=list)  # each form as aiohttp's reader read it: [(name, filename, bytes)]
     stored: dict = field(default_factory=dict)  # response id -> the Response object
 
 
@@ -141,16 +143,30 @@ async def _rerank(request: web.Request) -> web.Response:
                               "results": results})
 
 
+async def _form_of(request: web.Request, data: bytes) -> list[tuple[str | None, str | None, bytes]]:
+    """The form as aiohttp's multipart reader reads it, from the bytes the engine received (recorded first)."""
+    stream = StreamReader(request.protocol, 2 ** 16, loop=asyncio.get_running_loop())
+    stream.feed_data(data)
+    stream.feed_eof()
+    out = []
+    async for part in MultipartReader(request.headers, stream):
+        assert isinstance(part, BodyPartReader)
+        out.append((part.name, part.filename, bytes(await part.read())))
+    return out
+
+
 async def _transcribe(request: web.Request) -> web.Response:
-    form = await request.post()
-    return web.json_response({"text": f"heard {request.app[KNOBS].name} via {form.get('model')}"})
+    k = request.app[KNOBS]
+    form = await _form_of(request, k.seen[-1][3])
+    k.forms.append(form)
+    model = next((v.decode() for name, _, v in form if name == "model"), None)
+    return web.json_response({"text": f"heard {k.name} via {model}"})
 
 
 @web.middleware
 async def _record(request: web.Request, handler):
     k = request.app[KNOBS]
-    data = b"" if request.content_type.startswith("multipart/") else await request.read()  # (a form: read by post())
-    k.seen.append((request.method, request.path_qs, dict(request.headers), data))
+    k.seen.append((request.method, request.path_qs, dict(request.headers), await request.read()))
     if request.path in k.missing:
         return web.json_response({"detail": "Not Found"}, status=404)
     return await handler(request)

@@ -102,11 +102,17 @@ def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     return found
 
 
+# Units that are their package's own __init__ alone: the package's modules are units of their own, so that a new
+# package left out of the layers is found unplaced instead of falling into its parent's unit.
+OWN_INIT_ONLY = frozenset({"gateway"})
+
+
 def unit_of(module: str, units: Iterable[str]) -> str:
-    """The longest unit (package or module) that holds `module`."""
+    """The longest unit (package or module) that holds `module` ("": none does)."""
     best = ""
     for unit in units:
-        if (module == unit or module.startswith(unit + ".")) and len(unit) > len(best):
+        holds = module == unit or (module.startswith(unit + ".") and unit not in OWN_INIT_ONLY)
+        if holds and len(unit) > len(best):
             best = unit
     return best
 

@@ -138,6 +138,15 @@ class EngineConn:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def stream_asked(body: bytes) -> bool:
+    """Whether a request body asks for a stream (a form or an empty body asks for none)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and data.get("stream") is True
+
+
 class RawEngine:
     """An "openai" engine on a bare socket: every GET (the probes) gets an empty 200, every POST exactly
     the bytes of `reply` (or whatever its writer sends); it counts the connections it accepted."""
@@ -183,7 +192,7 @@ class RawEngine:
                     writer.write(PROBE_OK)
                     await writer.drain()
                     continue
-                stream = orjson.loads(body).get("stream") is True
+                stream = stream_asked(body)
                 reply = self.reply
                 conn.answers.append("hostile" if self.hostile else "good")
                 self.busy += 1

@@ -6,8 +6,9 @@ from typing import Any, Final, Mapping
 
 import orjson
 
+from gateway.apis.api import Api, ErrorShape, Meter, StreamRules, texts
 from gateway.apis.prompt import add_tools, positive_int
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, error_from_event
 
 # Anthropic's error types by status; 503 leaves as Anthropic's own "overloaded" status, 529, which its SDKs retry.
 _TYPES: Final = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -37,12 +38,28 @@ def error_event(err: GatewayError, last: bytes = b"") -> bytes:
     return b"event: error\ndata: " + orjson.dumps(error_payload(err)) + b"\n\n"
 
 
-def check(route: str, body: Mapping[str, Any]) -> None:
+class AnthropicErrors(ErrorShape):
+    """Anthropic's error shape and status codes (503 leaves as 529, which its SDKs retry)."""
+
+    def status_of(self, err: GatewayError) -> int:
+        return status_of(err)
+
+    def body(self, err: GatewayError, request_id: str) -> bytes:
+        return error_body(err, request_id)
+
+    def event(self, err: GatewayError, last: bytes) -> bytes:
+        return error_event(err, last)
+
+
+ANTHROPIC_ERRORS: Final[ErrorShape] = AnthropicErrors()
+
+
+def check(body: Mapping[str, Any], needs_max_tokens: bool) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: Field required (a non-empty array).", param="messages",
                           code="missing_required_parameter")
-    if route == "messages":
+    if needs_max_tokens:
         n = body.get("max_tokens")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise bad_request("max_tokens: Field required (a positive integer).", param="max_tokens",
@@ -118,3 +135,68 @@ def usage_of_message(obj: Mapping[str, Any]) -> dict[str, Any] | None:
     if isinstance(cached, int):
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
+
+
+def error_of(obj: Mapping[str, Any]) -> GatewayError:
+    """An Anthropic error event ({"type": "error", "error": {type, message}}) as a GatewayError with its status."""
+    err = obj.get("error")
+    if not isinstance(err, dict):
+        message = obj.get("message")
+        return GatewayError(500, message if isinstance(message, str) else "The engine reported an error.",
+                            code="server_error")
+    kind = err.get("type")
+    status = 529 if kind == "overloaded_error" else 400 if kind == "invalid_request_error" else 500
+    return error_from_event({"error": {**err, "code": err.get("code", status)}})
+
+
+class MessagesStream(StreamRules):
+    """Usage from message_start (input) and message_delta (output), the end at message_stop."""
+
+    def note(self, obj: dict[str, Any], meter: Meter) -> None:
+        kind = obj.get("type")
+        if kind == "message_start":
+            msg = obj.get("message")
+            u = usage_of_message(msg) if isinstance(msg, dict) else None
+            if u:
+                meter.usage = {**(meter.usage or {}), **u}
+        elif kind == "message_delta":
+            u = usage_of_message(obj)
+            if u:
+                meter.usage = {**(meter.usage or {}), **u}
+            meter.saw_finish = True
+        elif kind == "message_stop":
+            meter.saw_done = True
+        elif kind == "error":
+            meter.error = error_of(obj)
+            meter.saw_done = True
+
+
+class Messages(Api):
+    def check(self, body: dict[str, Any]) -> None:
+        check(body, needs_max_tokens=self.generating)
+
+    def prompt_parts(self, body: Mapping[str, Any]) -> tuple[list[str], int]:
+        return prompt_parts(body)
+
+    def requested_output(self, body: Mapping[str, Any]) -> int | None:
+        return requested_output(body) if self.generating else None
+
+    def session(self, body: Mapping[str, Any]) -> str | None:
+        return session(body)
+
+    def reply_text(self, doc: dict[str, Any]) -> str:
+        """Content blocks of type text."""
+        return texts(doc.get("content"), "text")
+
+    def event_text(self, doc: dict[str, Any]) -> str:
+        delta = doc.get("delta") if doc.get("type") == "content_block_delta" else None
+        text = delta.get("text") if isinstance(delta, dict) else None
+        return text if isinstance(text, str) else ""
+
+
+_HEADERS: Final = (("anthropic-version", "anthropic-version"), ("anthropic-beta", "anthropic-beta"))
+MESSAGES: Final[Api] = Messages("messages", "/v1/messages", "/v1/messages", generating=True, passed_headers=_HEADERS,
+                                stream=MessagesStream(TOKEN_MARK, SPECIAL, ANTHROPIC_ERRORS), errors=ANTHROPIC_ERRORS,
+                                shadow=True)
+COUNT_TOKENS: Final[Api] = Messages("count_tokens", "/v1/messages/count_tokens", "/v1/messages/count_tokens",
+                                    passed_headers=_HEADERS, errors=ANTHROPIC_ERRORS)

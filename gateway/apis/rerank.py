@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 
+from gateway.apis.api import Api
 from gateway.errors import bad_request
 
 
@@ -42,3 +43,31 @@ def prompt_parts(body: Mapping[str, Any]) -> tuple[list[str], int]:
     for name in ("query", "text_1", "queries", "data_1", "documents", "text_2", "items", "data_2"):
         parts += _texts(body.get(name))
     return parts, 0
+
+
+_FIRST: Final = ("query", "text_1", "queries", "data_1")
+_SECOND: Final = ("documents", "text_2", "items", "data_2")
+
+
+def largest_pair(body: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The longest first text and the longest second text: the largest pair an engine scores at once (each
+    query-document pair is one sequence of the model)."""
+    firsts = [t for name in _FIRST for t in _texts(body.get(name))]
+    seconds = [t for name in _SECOND for t in _texts(body.get(name))]
+    return [max(firsts, key=len, default=""), max(seconds, key=len, default="")], 0
+
+
+class Rerank(Api):
+    def check(self, body: dict[str, Any]) -> None:
+        check(self.name, body)
+
+    def prompt_parts(self, body: Mapping[str, Any]) -> tuple[list[str], int]:
+        return prompt_parts(body)
+
+    def fit_parts(self, body: Mapping[str, Any]) -> tuple[list[str], int] | None:
+        return largest_pair(body)
+
+
+# Rerank has three names among the engines: each goes to /v1/rerank, which all of them serve.
+RERANK: Final[Api] = Rerank("rerank", "/v1/rerank", "/v1/rerank", aliases=("/rerank", "/v2/rerank"))
+SCORE: Final[Api] = Rerank("score", "/v1/score", "/v1/score")

@@ -28,6 +28,7 @@ class BackendReport:
     cfg: BackendConfig
     reachable: bool
     health: str  # the probe's detail ("ok", the engine's message) or why it failed
+    tried: str  # the request the probe made ("GET http://.../health")
     status: int = 0
     listed: tuple[str, ...] | None = None  # the ids of the engine's GET /v1/models
     list_error: str = ""
@@ -39,12 +40,13 @@ async def check_backend(g: Gateway, bc: BackendConfig, timeout: float) -> Backen
     """Probe the backend once the way serving does, then read what it lists and how long a request may be."""
     b = g.make_backend(bc)  # as serving makes it: same engine routes, key, limits and context windows
     adapter = b.adapter
+    tried = f"GET {bc.url}{adapter.health_path}"
     try:
         probe = await adapter.probe(timeout, deep=True)
         if probe.status == 0:
             why = f"no answer within {timeout:g} s" if probe.detail == "TimeoutError" else probe.detail
-            return BackendReport(bc, False, why or "no answer")
-        report = BackendReport(bc, True, probe.detail or f"HTTP {probe.status}", probe.status)
+            return BackendReport(bc, False, why or "no answer", tried)
+        report = BackendReport(bc, True, probe.detail or f"HTTP {probe.status}", tried, probe.status)
         report.listed, report.list_error = await read_model_list(adapter, timeout)
         if bc.engine == "llamacpp":
             try:
@@ -73,9 +75,11 @@ def describe(r: BackendReport) -> list[str]:
     bc = r.cfg
     lines = [f"backend {bc.id}: engine {bc.engine}, url {bc.url}"]
     if not r.reachable:
-        return lines + [f"  unreachable: {r.health}"]
+        return lines + [f"  unreachable: {r.health}", f"    fix: {unreachable_fix(r)}"]
     health = r.health if r.health == "ok" or r.health.startswith("HTTP ") else f"HTTP {r.status}: {r.health}"
     lines.append(f"  reachable; health: {health}")
+    if r.status != 200:
+        lines.append(f"    fix: {unhealthy_fix(r)}")
     if r.listed is None:
         lines.append(f"  engine lists: unknown ({r.list_error})")
     else:
@@ -93,8 +97,41 @@ def describe(r: BackendReport) -> list[str]:
         window = f"{m.context} tokens ({m.context_from})" if m.context else "unknown"
         lines.append(f"  model {name}: {found}; context window: {window}")
         if m.listed is False:
-            lines.append(f"    fix: {fix(bc.engine, m.public, m.native)}")
+            lines.append(f"    fix: {fix(bc.engine, m.public, m.native, r.listed)}")
     return lines
+
+
+def unreachable_fix(r: BackendReport) -> str:
+    """What was tried, and what to check, for a backend that did not answer at all."""
+    bc = r.cfg
+    where = bc.url.split("://", 1)[1].split("/", 1)[0]
+    said = r.health.lower()
+    if "name or service not known" in said or "name resolution" in said or "nodename nor servname" in said:
+        check = f"the host name in {where} does not resolve here: correct url in [[backends]] {bc.id}"
+    elif "refused" in said or "connect call failed" in said:
+        check = (f"nothing accepts connections at {where}: start the engine, or check its --host/--port and url "
+                 f"in [[backends]] {bc.id}")
+    elif "no answer within" in said:
+        check = (f"{where} did not answer in time: check that it is reachable from here (an address, a firewall) "
+                 f"and that the engine is not stalled; a slow engine needs a longer --timeout")
+    else:
+        check = f"check url in [[backends]] {bc.id} and that a {bc.engine} engine serves HTTP there"
+    return f"tried {r.tried}; {check}"
+
+
+def unhealthy_fix(r: BackendReport) -> str:
+    """What an engine that answers its health route with an error is telling the operator."""
+    bc = r.cfg
+    if r.status in (401, 403):
+        return (f"{r.tried} answered HTTP {r.status}: the engine wants an API key; set api_key_env in [[backends]] "
+                f"{bc.id} to the environment variable that holds it")
+    if r.status == 404:
+        return (f"{r.tried} answered HTTP 404: is url the engine's root (without /v1), and is it a {bc.engine} "
+                f"engine (engine = in [[backends]] {bc.id})?")
+    if r.status == 503:
+        return (f"{r.tried} answered HTTP 503: the engine runs but is not ready (loading its model?); serve keeps "
+                f"probing it and routes to it once it is")
+    return f"{r.tried} answered HTTP {r.status}: see the engine's own log for why"
 
 
 def missing(reports: list[BackendReport]) -> list[str]:

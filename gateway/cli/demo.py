@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from gateway.app import build_app, serve
 from gateway.config import parse_config
@@ -45,29 +48,49 @@ def demo_config(urls: dict[str, str], key_digest: str, host: str, port: int, ab:
     return cfg
 
 
-def banner(url: str, key: str, ab: bool = False) -> str:
+def key_files(key: str) -> tuple[str, str, str]:
+    """A private directory (0700) with the demo's key (`api-key`) and its Authorization header (`auth-header`), each
+    0600: the commands the demo prints read the key from there, so that it is never on a command line (which
+    `ps` shows every local user). Returns (directory, key file, header file)."""
+    directory = tempfile.mkdtemp(prefix="shapegate-demo-")
+    paths = []
+    for name, text in (("api-key", key + "\n"), ("auth-header", f"Authorization: Bearer {key}\n")):
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        paths.append(path)
+    return directory, paths[0], paths[1]
+
+
+def banner(url: str, key: str, key_file: str, header_file: str, ab: bool = False) -> str:
     experiment = f"""
 A/B experiment vllm-vs-sglang on {MODEL}: each x-end-user header value sticks to one arm.
-  verdicts: shapegate ab --url {url} --admin-key {key}   (also {url}/admin/experiments, {url}/dashboard)
+  verdicts: shapegate ab --url {url}   (the key from SHAPEGATE_ADMIN_KEY; also {url}/admin/experiments)
 """ if ab else ""
     return f"""
 shapegate demo is running: {url}
   engines : vllm-0 (vLLM-like), sglang-0 (SGLang-like), llama-0 (llama.cpp Vulkan-like), simulated
   models  : {MODEL} (all three), {SECOND_MODEL} (vllm-0 only)
-  API key : {key}   (admin: also opens {url}/dashboard)
+  API key : {key}   (admin: paste it at {url}/dashboard to sign in)
+  kept in : {key_file} (and as a header in {header_file}; both gone when the demo stops)
+
+The commands below read the key from that file or the environment, never from their command line (which ps shows):
+  export SHAPEGATE_ADMIN_KEY="$(cat {key_file})" OPENAI_API_KEY="$(cat {key_file})"
 
 curl:
-  curl -s {url}/v1/chat/completions -H "Authorization: Bearer {key}" \\
+  curl -s {url}/v1/chat/completions -H @{header_file} \\
     -H "Content-Type: application/json" \\
     -d '{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
-Python:
+Python (the key from OPENAI_API_KEY):
   from openai import OpenAI
-  client = OpenAI(base_url="{url}/v1", api_key="{key}")
+  client = OpenAI(base_url="{url}/v1")
   r = client.chat.completions.create(model="{MODEL}", max_tokens=32,
                                      messages=[{{"role": "user", "content": "Hello!"}}])
   print(r.choices[0].message.content, r.model)
 
+Run-time keys: shapegate keys create --url {url} --id someone   (the admin key from SHAPEGATE_ADMIN_KEY)
 {experiment}
 Press Ctrl-C to stop.
 """
@@ -86,6 +109,7 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
     """The portfolio and the gateway until `stop` (or SIGINT/SIGTERM); CannotListen when host:port is unusable."""
     sims = {}
     front = None
+    directory = None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -101,7 +125,8 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
             front = await serve(build_app(cfg), host, port)
         except OSError as e:
             raise CannotListen(e) from None
-        print(banner(f"http://{host}:{front.port}", key, ab), flush=True)  # --port 0: the one it got
+        directory, key_file, header_file = key_files(key)
+        print(banner(f"http://{host}:{front.port}", key, key_file, header_file, ab), flush=True)  # --port 0: its own
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -112,6 +137,8 @@ async def run_demo(host: str, port: int, ready: asyncio.Event | None = None,
             await front.close(timeout=5.0)
         for s in sims.values():
             await s.close()
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         if front is not None:  # (a demo that never started says only why)
             print("shapegate demo stopped.", file=sys.stderr)
 

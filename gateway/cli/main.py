@@ -60,19 +60,30 @@ async def serve_until_signal(cfg, host: str, port: int, config_path: str | None 
         front = await serve(app, host, port, reuse_port=reuse_port, shutdown_timeout=grace + CUT_MARGIN_S)
     except OSError as e:
         raise fail(f"cannot listen on {host}:{port}: {os_reason(e)}") from None
-    logging.getLogger("shapegate").info("shapegate listening on http://%s:%d", host, port)
+    logging.getLogger("shapegate").info("%s", start_line(cfg, host, front.port))
     stop = asyncio.Event()
+    got: list[str] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda name=sig.name: (got.append(name), stop.set()))
     loop.add_signal_handler(signal.SIGHUP, app[RELOADER].on_signal)
     await stop.wait()
     loop.remove_signal_handler(signal.SIGHUP)
-    await shutdown(front, app[GATEWAY], grace)
+    await shutdown(front, app[GATEWAY], grace, got[0] if got else "asked to stop")
+
+
+def start_line(cfg: GatewayConfig, host: str, port: int) -> str:
+    """What serve says once it listens: where, in front of what, with which policy and state."""
+    from gateway.keys.keystore import where_kept
+
+    shown = "; ".join(f"{b.id} ({b.engine} at {b.url}: {', '.join(b.models)})" for b in cfg.backends)
+    keys = f"; run-time keys are kept {where_kept(cfg)}" if cfg.auth.enabled else "; auth disabled"
+    return (f"shapegate listening on http://{host}:{port} (pid {os.getpid()}), routing policy {cfg.routing.policy}, "
+            f"state {cfg.state.backend}; {len(cfg.backends)} backend(s): {shown}{keys}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = read_config(args.config)
+    cfg = keys_place(read_config(args.config), args.config, args.ephemeral_keys)
     check_keys_file(cfg)
     import uvloop
 
@@ -85,6 +96,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if port == 0:
         raise fail("--workers needs a fixed port (each worker binds it with SO_REUSEPORT)")
     check_listen(host, port)  # a taken port is one line here, not one refusal per worker
+    if cfg.responses.state == "gateway" and cfg.state.backend == "memory":
+        logging.getLogger("shapegate").warning(
+            "stored responses and conversations are kept in each worker's memory: a chain continues only on the "
+            "worker that recorded it; set [state] backend = \"redis\" so that %d workers share them", args.workers)
     from gateway.ops.workers import run_workers
 
     def worker() -> int:
@@ -92,6 +107,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
 
     return run_workers(args.workers, worker)
+
+
+def keys_place(cfg: GatewayConfig, config_path: str, ephemeral: bool) -> GatewayConfig:
+    """Run-time keys persist by default: with neither Redis nor [auth] keys_file, in a file beside the configuration;
+    where that place is not safe or not writable, serve refuses to start unless told to keep them in memory."""
+    from gateway.keys.keystore import default_keys_file, keeping_keys_in, needs_keys_place
+
+    if ephemeral or not needs_keys_place(cfg):
+        return cfg
+    path = default_keys_file(config_path)
+    try:
+        return keeping_keys_in(cfg, path)
+    except ValueError as e:
+        raise fail(f"{e}. Keys made at run time (POST /admin/keys) are kept there when neither [state] backend = "
+                   f"\"redis\" nor [auth] keys_file says where: set [auth] keys_file to a private place, or pass "
+                   f"--ephemeral-keys to keep them in memory only (lost when the gateway stops)") from None
 
 
 def check_keys_file(cfg: GatewayConfig) -> None:
@@ -226,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=None, help="listen port (default: [server] port)")
     s.add_argument("--workers", type=_positive, default=1,
                    help="gateway processes sharing the port (SO_REUSEPORT); /metrics adds up all of them")
+    s.add_argument("--ephemeral-keys", action="store_true",
+                   help="keep keys made at run time in memory only (lost on stop) rather than in a file beside the "
+                        "configuration, when neither Redis nor [auth] keys_file is configured")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("check", help="validate a config file and ask each backend once what it serves",
@@ -239,14 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 0 even when a backend does not answer or does not list a configured model")
     c.set_defaults(func=cmd_check)
 
-    pr = sub.add_parser("probe", help="ask each backend's engine which OpenAI features it supports per model",
-                        description="Validate the configuration (exit 2 if invalid), then try each feature on each "
-                                    "backend's engine directly, for each model it serves, and print the support "
-                                    "matrix. Exit 0 when the checks [probe] require pass everywhere, else 1.")
+    pr = sub.add_parser("probe", help="ask each backend's engine which APIs and chat features it serves per model",
+                        description="Validate the configuration (exit 2 if invalid), then try each API and chat "
+                                    "feature on each backend's engine directly, with a tiny request, for each "
+                                    "model it serves, and print the support matrix with the reason of every no. "
+                                    "Exit 0 when the checks [probe] require pass everywhere, else 1.")
     pr.add_argument("--config", required=True, help="path to the TOML configuration")
     pr.add_argument("--json", action="store_true", help="print the matrix as JSON")
     pr.add_argument("--timeout", type=_seconds, default=None,
-                    help="seconds per engine request (default: [probe] timeout_s)")
+                    help="seconds per check (default: [probe] timeout_s)")
     pr.set_defaults(func=cmd_probe)
     ab_report.add_parser(sub)  # `shapegate ab`: the verdicts of a running gateway's experiments
 
@@ -286,8 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        args = build_parser().parse_args(argv)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, where it is handled, not at the interpreter's exit
+        return status
+    except SystemExit:  # --help, --version, a refusal: their output is flushed here too
+        _quiet_flush()
+        raise
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (`shapegate check ... | head -1`): nothing more can be said there, and the
+    interpreter's last flush must not fail again, so stdout goes to /dev/null; no traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _quiet_flush() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from gateway.apis.api import Api, StreamRules
 from gateway.config import GatewayConfig, UpstreamConfig
-from gateway.apis.table import PASSED_HEADERS, UPSTREAM
 from gateway.contracts import (ENGINE_ERROR, Outcome, Policy, RequestShape, RouteInput, UpstreamCall,
                                UpstreamReply)
 from gateway.errors import GatewayError, upstream_failed, upstream_timeout
@@ -22,7 +22,7 @@ from gateway.routing.attempt import ERROR_EVENT_STARTS, first_event_error, measu
 from gateway.routing.failover import TRANSPORT_ERRORS
 from gateway.routing.relay import EventTooLarge, ModelRewrite, SSERelay, StreamMeter, usage_of
 from gateway.routing.request import RequestState
-from gateway.routing.typed_relay import RULES, TypedRelay, TypedRules
+from gateway.routing.typed_relay import TypedRelay
 from gateway.routing.typed_relay import first_event_error as typed_first_error
 
 if TYPE_CHECKING:
@@ -31,17 +31,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shapegate.shadow")
 MAX_TAP_BYTES = 1 << 20  # the primary's reply kept for comparing outputs; a longer one is not compared
-COPIED = frozenset({"chat", "completions", "embeddings", "responses", "messages"})
 
 
-def copyable(route: str, body: dict[str, Any]) -> bool:
-    """Whether a copy of this request means the same to a candidate engine. Not a Responses request that
-    continues a stored response or conversation, or runs in the background: those live on the engine that has
-    them, and a candidate would only fail them."""
-    if route == "responses":
-        return body.get("previous_response_id") is None and body.get("conversation") is None \
-            and body.get("background") is not True
-    return route in COPIED
+def copyable(api: Api, body: dict[str, Any]) -> bool:
+    """Whether a copy of this request means the same to a candidate engine. Not a request that still names state
+    only one engine keeps (a stored response, a conversation: with the state kept by the gateway the request is
+    expanded already and names none), nor one run in the background."""
+    return api.shadow and body.get("previous_response_id") is None and body.get("conversation") is None \
+        and body.get("background") is not True
 
 
 class Host(Protocol):
@@ -145,18 +142,19 @@ def _saturated(b, now: float) -> bool:
 async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestState, shape: RequestShape,
                 body: dict, raw: bytes, tap: Tap) -> None:
     cfg = g.cfg
-    fwd = forwarded_headers(st.ex.headers, PASSED_HEADERS.get(shape.route, ()))
+    api = st.api
+    fwd = forwarded_headers(st.ex.headers, api.passed_headers)
     fwd["x-request-id"] = f"{st.request_id}.shadow"
     fwd["x-shapegate-shadow"] = x.name
     data = b""  # the copy's reply, compared with the primary's
     try:
-        if shape.route == "responses" and body.get("store") is not False:
+        if api.state and body.get("store") is not False:
             # Stored, the copy's response would sit on the candidate under an id no client ever learns.
             body = {**body, "store": False}
             raw = orjson.dumps(body)
-        upstream_body = b.adapter.prepare(shape.route, body, raw, b.models[shape.model], shape.stream)
-        call = UpstreamCall(UPSTREAM[shape.route], upstream_body, fwd, shape.stream)
-        o, data = await _measure(b, call, shape, cfg.upstream)
+        upstream_body = b.adapter.prepare(api, body, raw, b.models[shape.model], shape.stream)
+        call = UpstreamCall(api.upstream, upstream_body, fwd, shape.stream)
+        o, data = await _measure(b, call, shape, cfg.upstream, api.stream)
     except asyncio.CancelledError:
         tap.full = True  # shutting down: nothing to compare
         raise
@@ -180,14 +178,14 @@ async def _copy(g: Host, x: Experiment, arm: Arm, b: BackendState, st: RequestSt
     x.record(PRIMARY, shape.klass, primary)
     g.metrics.experiment(x.name, PRIMARY, shape.klass, primary)
     if o.ok and primary.ok and not tap.full and deterministic(body):
-        p_text, p_tokens = output_of(b"".join(tap.chunks), shape.stream, shape.route)
-        text, tokens = output_of(data, shape.stream, shape.route)
+        p_text, p_tokens = output_of(b"".join(tap.chunks), shape.stream, api)
+        text, tokens = output_of(data, shape.stream, api)
         x.agreement[arm.name].add(p_text, text, p_tokens, tokens)
         g.metrics.agreement(x.name, arm.name, p_text == text)
 
 
-async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
-                   up: UpstreamConfig) -> tuple[Outcome, bytes]:
+async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape, up: UpstreamConfig,
+                   typed: StreamRules | None) -> tuple[Outcome, bytes]:
     """One timed call, measured as a client's attempt is (gateway/routing/attempt.py): the candidate's TTFT, ITL
     and e2e, and the reply's bytes for the comparison of outputs."""
     t0 = time.perf_counter()
@@ -196,7 +194,6 @@ async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
     status, served, answered, data = reply.status, False, False, b""
     meter: StreamMeter | None = None
     usage: dict | None = None
-    typed = RULES.get(shape.route)
     try:
         if status >= 400:
             await reply.read(up.max_error_bytes, truncate=True)
@@ -226,7 +223,7 @@ async def _measure(b: BackendState, call: UpstreamCall, shape: RequestShape,
     return measured(b.id, shape, t0, status, served, answered, False, meter, usage), data
 
 
-def _opening_error(first: bytes, typed: TypedRules | None) -> GatewayError | None:
+def _opening_error(first: bytes, typed: StreamRules | None) -> GatewayError | None:
     """The error event a stream opens with, read as the client's request reads it (gateway/pipeline.py)."""
     if typed is not None:
         return typed_first_error(first)
@@ -248,7 +245,7 @@ class _Unsent:
 
 
 async def _relay(reply: UpstreamReply, first: bytes, meter: StreamMeter, model: str, limit: int,
-                 typed: TypedRules | None) -> bytes:
+                 typed: StreamRules | None) -> bytes:
     """A copy's stream through the relay a client's goes through, for its meter; the bytes as the engine sent them."""
     relay = SSERelay(_Unsent(), meter, strip_usage=False, rename=ModelRewrite(model)) if typed is None else \
         TypedRelay(_Unsent(), meter, typed, ModelRewrite(model))

@@ -31,9 +31,10 @@ class Breaker:
     """Opens after consecutive failures or on an engine's Retry-After; half-open lets one trial through."""
 
     __slots__ = ("threshold", "open_s", "failures", "opened_until", "trial_in_flight", "last_failure", "_state",
-                 "openings", "on_open", "held_until", "own_until")
+                 "openings", "on_open", "held_until", "own_until", "backend_id")
 
-    def __init__(self, threshold: int, open_s: float) -> None:
+    def __init__(self, threshold: int, open_s: float, backend_id: str = "") -> None:
+        self.backend_id = backend_id  # in its log lines
         self.threshold = threshold
         self.open_s = open_s
         self.failures = 0
@@ -73,6 +74,9 @@ class Breaker:
         """
         if started is not None and started < self.last_failure:
             return
+        if self._state != CLOSED:
+            log.info("backend %s recovered: %s, its circuit breaker closed", self.backend_id,
+                     "a request succeeded" if started is not None else "its health probe passed")
         self.failures = 0
         self._state = CLOSED
         self.trial_in_flight = False
@@ -89,6 +93,11 @@ class Breaker:
             # A longer hold already in force (an engine's Retry-After) is never shortened by a later failure.
             self.opened_until = max(self.opened_until, now + (hold_s if hold_s is not None else self.open_s))
             self.trial_in_flight = False
+            if opening:  # once per opening (at most once per open_s): what an operator acts on, never per request
+                why = ("it asked to wait (Retry-After) or refused the connection" if hold_s is not None
+                       else f"{self.failures} failed request(s) in a row")
+                log.warning("backend %s is failing: %s; its circuit breaker is open for %.1f s", self.backend_id,
+                            why, self.opened_until - now)
             if opening and self.on_open is not None:
                 self.on_open(self.opened_until)
 
@@ -252,7 +261,10 @@ async def apply_probe(pool, b, r: ProbeResult, cfg: HealthConfig, on_change=None
         await report_not_ready(b, r, cfg, now)
     if new is None:
         return
-    log.info("backend %s is now %s (%s)", b.id, new, r.detail)
+    if new == UNHEALTHY:  # what an operator acts on; its recovery is news, not a warning
+        log.warning("backend %s (%s at %s) is now unhealthy: %s", b.id, b.engine, b.cfg.url, r.detail)
+    else:
+        log.info("backend %s is now %s (%s)", b.id, new, r.detail)
     if new == READY:
         b.breaker.on_success()  # probes say it serves again: give it traffic now, not when the breaker times out
         start_verifying(b)  # [probe] at_start: which of its models it really serves, off every request's path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable, Final, Iterable
 
 import aiohttp
 
@@ -18,6 +18,8 @@ from gateway.fleet.health import Breaker, HealthState
 from gateway.stats.rolling import BackendStats, LatencyModel
 
 log = logging.getLogger("shapegate")
+
+AUTH_RETRY_S: Final = 30.0  # a backend whose engine refused the gateway's credentials is tried again after this
 
 
 class BackendState:
@@ -38,10 +40,13 @@ class BackendState:
         self.list_due = True
         # API routes its engine answered with a 404 for the path itself (a build that lacks them): route -> detail.
         self.unserved: dict[str, str] = {}
+        # The engine refused the gateway's own credentials (HTTP 401/403): why, and when to try it again.
+        self.misconfigured: str | None = None
+        self.retry_auth_at = 0.0
         self.reconfigure(cfg)
         self.in_flight = 0
         self.health = HealthState()
-        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s)
+        self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
         self.load: LoadSample | None = None
         self.load_in_flight = 0  # the gateway's own in-flight count when that sample was taken
         self.reported = EngineLatency()  # the engine's own latency figures, from the same scrapes
@@ -161,7 +166,7 @@ class BackendState:
             return known[2]
         native = self.models.get(public, public)
         why = (f"the engine does not serve {served.model_named(public, native)} ({served.excerpt(detail)}), "
-               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native)}")
+               f"it lists: {served.names(self.listed)}; {served.fix(self.engine, public, native, self.listed)}")
         self.lacks[public] = (native, self.listed, why)
         self.unsupported.setdefault(public, why)  # a support probe's verdict already there stays
         log.warning("backend %s (%s at %s) refused model %s, not routed there until its model list changes: %s",
@@ -173,8 +178,24 @@ class BackendState:
         if self.unsupported.get(public) == why:
             del self.unsupported[public]
 
+    def refused_credentials(self, status: int, now: float) -> None:
+        """The engine refused the gateway's credentials: no client requests here for AUTH_RETRY_S (then one tries
+        again), logged once per episode with the fix; the engine's text is neither logged nor relayed."""
+        if self.misconfigured is None:
+            self.misconfigured = (f"the engine refused the gateway's credentials (HTTP {status}): set "
+                                  f"{self.cfg.api_key_env or 'api_key_env'} to the key the engine was started with "
+                                  f"(vLLM and llama-server: --api-key; SGLang: --api-key)")
+            log.error("backend %s (%s at %s): %s; no requests are sent there, it is tried again every %.0f s",
+                      self.id, self.engine, self.cfg.url, self.misconfigured, AUTH_RETRY_S)
+        self.retry_auth_at = now + AUTH_RETRY_S
+
+    def accepted_credentials(self) -> None:
+        if self.misconfigured is not None:
+            self.misconfigured = None
+            log.info("backend %s: the engine accepts the gateway's credentials again", self.id)
+
     def usable(self, now: float) -> bool:
-        return self.health.state == READY and self.breaker.allows(now)
+        return self.health.state == READY and self.breaker.allows(now) and now >= self.retry_auth_at
 
     def fresh_load(self, now: float) -> LoadSample | None:
         """The last load sample, or None once it is older than load_stale_s (the engine stopped answering
@@ -275,6 +296,9 @@ class Pool:
         """What a client gets when no backend takes `model` now: a 404 naming the misconfiguration when every
         backend of it refused it by name, else a 503 with the soonest retry."""
         owners = self._by_model.get(model) or []
+        if owners and all(b.misconfigured is not None and now < b.retry_auth_at for b in owners):
+            return GatewayError(502, f"Every backend of `{model}` refused the gateway's credentials for its engine; "
+                                f"the gateway's operator must fix its configuration.", code="upstream_auth_failed")
         if owners and all(model in b.lacks for b in owners):
             b = owners[0]
             native = b.models.get(model, model)

@@ -1,31 +1,33 @@
-"""The support probe's checks: each OpenAI feature tried on one engine and model with a tiny request, and judged."""
+"""The support probe's chat checks: streams, usage, n, tools, JSON schema, logprobs and the context window."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
-import aiohttp
 import orjson
 
-from backends.openai_http import count, printable
-from gateway.contracts import UpstreamCall, UpstreamError
+from backends.openai_http import count
 from gateway.errors import TOO_LONG_HINT
+from gateway.fleet.probe_target import (
+    CHAT,
+    ERROR,
+    NO,
+    UNKNOWN,
+    YES,
+    Cell,
+    CheckTable,
+    Target,
+    Verdict,
+    clip,
+)
 
-YES, NO, ERROR, UNKNOWN = "yes", "no", "error", "unknown"
-
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+COMPLETIONS = "/v1/completions"
 PROMPT = "Say hi."
-MAX_TOKENS = 8
-# A forced tool call or a schema-bound reply is a whole JSON object: it needs more room than 8 tokens to close.
+# Output tokens of a probe's request: enough to see a reply (and two stream chunks), little to compute.
+MAX_TOKENS = 2
+# A forced tool call or a schema-bound reply is a whole JSON object: it needs more room to close.
 STRUCTURED_MAX_TOKENS = 64
-# What the probe reads of an engine: a reply to a tiny request larger than this is garbage, not an answer.
-REPLY_LIMIT = 1 << 20
-ERROR_LIMIT = 64 << 10
-REASON_CHARS = 120
 
 TOOL = {"type": "function", "function": {
     "name": "pick_city", "description": "Pick a city.",
@@ -41,172 +43,6 @@ FILLER = "the quick brown fox jumps over a lazy dog while seven wizards hum "
 # The calibration prompt of the context check: at most half the window in characters (a tokenizer makes at
 # most about one token of a plain ASCII character, so it fits), and no more than this, to keep its prefill cheap.
 CALIBRATION_CHARS = 16_384
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One check's verdict: yes, no, error (or unknown: a context window nobody reports), and why."""
-
-    verdict: str
-    reason: str = ""
-    window: int | None = None  # context only: the window the probe verified
-
-    def describe(self) -> str:
-        return f"{self.verdict} ({self.reason})" if self.reason else self.verdict
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"verdict": self.verdict, "reason": self.reason}
-        if self.window is not None:
-            out["window"] = self.window
-        return out
-
-
-class Verdict(Exception):
-    """A check ends here with this cell: the engine refused, failed or answered something unusable."""
-
-    def __init__(self, verdict: str, reason: str) -> None:
-        super().__init__(reason)
-        self.cell = Cell(verdict, reason)
-
-
-class TimedOut(Verdict):
-    """No whole reply in time: the checks after it are not tried (a stuck engine would hold each one as long)."""
-
-
-def clip(text: str) -> str:
-    """Engine text fit to print: whitespace runs made one space, control characters replaced, 120 characters."""
-    return printable(" ".join(text.split()), REASON_CHARS)
-
-
-def engine_message(body: bytes) -> str:
-    """The message of an engine's error body, whichever of the engines' shapes it has, else its text."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return clip(body.decode("utf-8", "replace"))
-    for holder in ((data.get("error"), data) if isinstance(data, dict) else ()):
-        if isinstance(holder, str):
-            return clip(holder)
-        if isinstance(holder, dict):
-            for key in ("message", "detail"):
-                if isinstance(holder.get(key), str):
-                    return clip(holder[key])
-    return clip(body.decode("utf-8", "replace"))
-
-
-def refusal(status: int, body: bytes) -> Verdict:
-    message = engine_message(body)
-    reason = f"HTTP {status}: {message}" if message else f"HTTP {status}"
-    return Verdict(ERROR if status >= 500 else NO, reason)
-
-
-def sse_data(block: bytes) -> bytes | None:
-    """The data of one server-sent event (its `data:` lines joined), None for a comment or an empty event."""
-    lines = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
-def event_object(data: bytes) -> dict[str, Any]:
-    try:
-        event = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise Verdict(ERROR, "an event of the stream is not JSON") from None
-    if not isinstance(event, dict):
-        raise Verdict(ERROR, "an event of the stream is not a JSON object")
-    error = event.get("error")
-    if error is not None:  # an in-band error (SGLang opens the stream before it validates)
-        code = error.get("code") if isinstance(error, dict) else None
-        raise refusal(code if isinstance(code, int) and 400 <= code < 600 else 400, orjson.dumps(event))
-    return event
-
-
-@dataclass
-class Stream:
-    events: list[dict[str, Any]]
-    done: bool  # `data: [DONE]` came
-
-
-class Target:
-    """One model on one engine, through the engine's adapter (its routes, key and connection limits)."""
-
-    def __init__(self, adapter, native: str, max_context: int | None, timeout: float) -> None:
-        self.adapter = adapter
-        self.model = native
-        self.max_context = max_context
-        self.timeout = timeout
-
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """The JSON object of a 200 reply; Verdict for anything else."""
-        return await self._exchange(path, body, self._json)
-
-    async def stream(self, body: dict[str, Any]) -> Stream:
-        return await self._exchange(CHAT, {**body, "stream": True}, self._events)
-
-    async def _exchange(self, path: str, body: dict[str, Any], read: Callable[[Any], Awaitable[Any]]) -> Any:
-        call = UpstreamCall(path, orjson.dumps(body), {}, bool(body.get("stream")))
-        try:
-            async with asyncio.timeout(self.timeout):  # the head, and the whole body after it
-                reply = await self.adapter.forward(call, self.timeout)
-                try:
-                    if reply.status != 200:
-                        raise refusal(reply.status, await reply.read(ERROR_LIMIT, truncate=True))
-                    return await read(reply)
-                finally:
-                    reply.close()
-        except TimeoutError:
-            raise TimedOut(ERROR, f"no whole reply within {self.timeout:g} s") from None
-        except UpstreamError as e:  # refused, reset, malformed, too large
-            raise Verdict(ERROR, clip(str(e))) from None
-
-    @staticmethod
-    async def _json(reply) -> dict[str, Any]:
-        try:
-            data = orjson.loads(await reply.read(REPLY_LIMIT))
-        except orjson.JSONDecodeError:
-            raise Verdict(ERROR, "the reply is not JSON") from None
-        if not isinstance(data, dict):
-            raise Verdict(ERROR, "the reply is not a JSON object")
-        return data
-
-    @staticmethod
-    async def _events(reply) -> Stream:
-        ctype = reply.headers.get("content-type", "")
-        if not ctype.startswith("text/event-stream"):
-            raise Verdict(NO, f"not an event stream (content type {clip(ctype) or 'none'})")
-        events: list[dict[str, Any]] = []
-        pending, total = b"", 0
-        async for chunk in reply.iter_chunks():
-            total += len(chunk)
-            if total > REPLY_LIMIT:
-                raise Verdict(ERROR, f"a stream of more than {REPLY_LIMIT} bytes")
-            # A CR at the end of one chunk meets its LF in the next: normalise only what is joined.
-            *blocks, pending = (pending + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
-            for block in blocks:
-                data = sse_data(block)
-                if data == b"[DONE]":
-                    return Stream(events, True)
-                if data is not None:
-                    events.append(event_object(data))
-        data = sse_data(pending)
-        if data == b"[DONE]":
-            return Stream(events, True)
-        if data is not None:
-            events.append(event_object(data))
-        return Stream(events, False)
-
-    async def window(self) -> tuple[int | None, str]:
-        """The context window the engine reports for this model, else the configured max_context, and which."""
-        ask = getattr(self.adapter, "context_window", None)
-        if ask is not None:
-            try:
-                n = await ask(self.model, self.timeout)
-            except TimeoutError:
-                raise TimedOut(ERROR, f"no window from the engine within {self.timeout:g} s") from None
-            except (aiohttp.ClientError, OSError, ValueError) as e:
-                raise Verdict(ERROR, f"reading the window failed: {type(e).__name__}") from None
-            if n is not None:
-                return n, "engine"
-        return self.max_context, "max_context"
 
 
 def chat_body(model: str, **extra: Any) -> dict[str, Any]:
@@ -387,31 +223,6 @@ async def check_context(t: Target) -> Cell:
     return Cell(NO, f"~{over} tokens served, past the window of {window} the engine reports", window)
 
 
-def _served(t: Target, route: str) -> None:
-    if route not in getattr(t.adapter, "apis", ()):
-        raise Verdict(NO, f"{getattr(t.adapter, 'engine', 'this engine')} does not serve it")
-
-
-async def check_responses(t: Target) -> Cell:
-    """The Responses API: a Response object with output."""
-    _served(t, "responses")
-    body = {"model": t.model, "input": PROMPT, "max_output_tokens": MAX_TOKENS, "temperature": 0, "store": False}
-    reply = await t.post(RESPONSES, body)
-    if reply.get("object") != "response" or not isinstance(reply.get("output"), list):
-        raise Verdict(NO, "the reply is not a Response object with output")
-    return Cell(YES)
-
-
-async def check_messages(t: Target) -> Cell:
-    """Anthropic's Messages API: a message with content."""
-    _served(t, "messages")
-    body = {"model": t.model, "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": PROMPT}]}
-    reply = await t.post(MESSAGES, body)
-    if reply.get("type") != "message" or not isinstance(reply.get("content"), list):
-        raise Verdict(NO, "the reply is not a message with content")
-    return Cell(YES)
-
-
 async def check_answers(adapter, timeout: float) -> tuple[Cell, bool]:
     """The engine's own health route (a model list for a plain OpenAI server); and whether it answered at all."""
     r = await adapter.probe(timeout, deep=True)
@@ -422,11 +233,11 @@ async def check_answers(adapter, timeout: float) -> tuple[Cell, bool]:
         return Cell(ERROR, why), False
     detail = clip(r.detail)
     reason = detail if detail.startswith("HTTP ") else f"HTTP {r.status}: {detail}"
-    return Cell(ERROR if r.status >= 500 else NO, reason), True
+    return Cell(ERROR if r.status >= 500 else NO, reason, status=r.status), True
 
 
-MODEL_CHECKS: Mapping[str, Callable[[Target], Awaitable[Cell]]] = {
+CHAT_CHECKS: CheckTable = {
     "chat": check_chat, "completions": check_completions, "stream": check_stream,
     "stream_usage": check_stream_usage, "n": check_n, "tools": check_tools, "json_schema": check_json_schema,
-    "logprobs": check_logprobs, "context": check_context, "responses": check_responses, "messages": check_messages,
+    "logprobs": check_logprobs, "context": check_context,
 }

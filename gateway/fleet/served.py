@@ -9,6 +9,7 @@ import aiohttp
 import orjson
 
 from backends.openai_http import printable
+from gateway.config_errors import near
 
 # Reading a model list is best effort: any of these means "could not tell".
 LOOKUP_ERRORS: Final = (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError)
@@ -59,10 +60,15 @@ def names(listed: tuple[str, ...] | None) -> str:
     return shown if len(listed) <= LISTED_SHOWN else f"{shown}, ... ({len(listed)} in all)"
 
 
-def fix(engine: str, public: str, native: str) -> str:
-    """How an operator makes the engine serve what the configuration says it does."""
+def fix(engine: str, public: str, native: str, listed: tuple[str, ...] | None = None) -> str:
+    """How an operator makes the engine serve what the configuration says it does: when the engine lists a near
+    match (another case, a typo), the mapping to it comes first, since it needs no restart of the engine."""
     flag = NAME_FLAGS.get(engine)
     start = f"start the engine with {flag} {native}" if flag else f"serve it under the name {native}"
+    match = near(native, listed or ())
+    if match is not None:
+        return (f"the engine lists {printable(match, 120)!r}: did you mean it? Write models = "
+                f"{{ \"{public}\" = \"{printable(match, 120)}\" }} in [[backends]] (no engine restart), or {start}")
     mapping = "map it" if public == native else f"map {public} to a name the engine lists"
     return f"{start}, or {mapping} in [[backends]] models"
 
@@ -74,7 +80,7 @@ def model_named(public: str, native: str) -> str:
 def not_listed(bid: str, engine: str, url: str, public: str, native: str, listed: tuple[str, ...]) -> str:
     """The log line for a configured model the engine's list does not name."""
     line = (f"backend {bid} ({engine} at {url}) does not list model {model_named(public, native)} "
-            f"(it lists: {names(listed)}): {fix(engine, public, native)}")
+            f"(it lists: {names(listed)}): {fix(engine, public, native, listed)}")
     if engine in ANY_NAME:
         line += "; until then its requests are served by the model it loaded, whatever they name"
     return line

@@ -9,7 +9,8 @@ from typing import Final
 
 import httptools
 
-from gateway.apis.table import PATH_ROUTES, allowed, allows, route_of
+from gateway.apis.api import ErrorShape
+from gateway.apis.registry import api_of
 from gateway.errors import GatewayError, raised_at
 from gateway.http.exchange import INTERNAL_ERROR, FrontExchange, error_reply, too_large
 from gateway.http.headers import valid_request_id
@@ -19,9 +20,8 @@ from gateway.http.wire import Wire
 
 log = logging.getLogger("shapegate")
 
-# POST on these paths goes to the API handler the application hands over (its pipeline); every other request is
-# served by aiohttp's routes (gateway/http/inner.py).
-API_ROUTES: Final = PATH_ROUTES  # the API routes with a fixed path (the stored-response ones take an id)
+# A request on an API route (gateway/apis/registry.py) goes to the API handler the application hands over (its
+# pipeline); every other request is served by aiohttp's routes (gateway/http/inner.py).
 PIPELINED_HIGH: Final = 1 << 20  # bytes of later requests buffered before reading pauses
 # What a connection is doing. IDLE: waiting for a request's first byte; HEAD, BODY: reading one; SERVING: the
 # request is read and its reply under way (later requests wait in the buffer); DRAIN: the reply is written
@@ -70,6 +70,7 @@ class FrontConnection(Wire):
         self.head_done = self.msg_done = self.upgrade = self.overrun = False
         self.method = ""
         self.keep_alive = False
+        self.errors: ErrorShape | None = None  # the error shape of the API the request being read is for
 
     # -- transport events ------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -170,6 +171,7 @@ class FrontConnection(Wire):
         self.early, self.fed = [], 0
         self.head_done = self.msg_done = self.upgrade = self.overrun = False
         self.method = ""
+        self.errors = None
         self.deadline = self.loop.time() + cfg.head_timeout_s
 
     def _feed(self, start: int, stop: int) -> int | None:
@@ -268,6 +270,8 @@ class FrontConnection(Wire):
                 self._refuse(refusal(505, "HTTP/0.9 is not supported.", "http_version_not_supported"))
                 return False
         self.method, target, proto = parts
+        api = api_of(target.partition("?")[0])
+        self.errors = api.errors if api is not None else None  # a refusal from here on takes the API's shape
         headers = request_headers(lines[1:])
         if isinstance(headers, GatewayError):
             self._refuse(headers)
@@ -280,7 +284,7 @@ class FrontConnection(Wire):
         cfg = self.cfg
         cl = headers.get("content-length")
         ex = self.ex = FrontExchange(
-            self, self.method, route_of(target.partition("?")[0]), target, headers,
+            self, self.method, api, target, headers,
             int(cl) if cl is not None else None, "transfer-encoding" in headers,
             self.keep_alive and not self.upgrade and not self.front.closing, version == "1.0",
             headers.get("expect", "").lower() == "100-continue", cfg.max_body_bytes)
@@ -337,14 +341,16 @@ class FrontConnection(Wire):
         """One request, answered however it ends; whether the connection then stays open for another."""
         front = self.front
         try:
-            if ex.route is not None and allows(ex.route, ex.method):
-                await front.api(ex, ex.route)
+            api = ex.api
+            if api is not None and api.allows(ex.method):
+                await front.api(ex, api)
             else:
                 rid = valid_request_id(ex.headers.get("x-request-id")) or front.request_id()
-                if ex.route is not None:
+                if api is not None:
                     err = GatewayError(405, f"Method {ex.method} is not allowed on this route.",
-                                       code="method_not_allowed", headers={"Allow": allowed(ex.route)})
-                    ex.reply(405, {"x-request-id": rid, **err.headers}, err.body())
+                                       code="method_not_allowed", headers={"Allow": api.allow})
+                    ex.reply(api.errors.status_of(err), {"x-request-id": rid, "x-shapegate-reason": "method_not_allowed",
+                                                         **err.headers}, api.errors.body(err, rid))
                 else:
                     await front.inner.serve(ex, rid)
         except (asyncio.CancelledError, ConnectionError):
@@ -352,7 +358,7 @@ class FrontConnection(Wire):
                 self.close()  # the client left (or the shutdown cut it)
             return False
         except Exception:
-            log.exception("unexpected error on %s", ex.route or "an inner route")
+            log.exception("unexpected error on %s", ex.api.name if ex.api is not None else "an inner route")
             if not ex.started and not self.closed:
                 ex.keep_alive = False
                 ex.reply(500, {}, INTERNAL_ERROR)
@@ -398,7 +404,8 @@ class FrontConnection(Wire):
         if ex is not None and self.task is not None and not self.task.done():
             self.task.cancel()  # the request it is reading is answered here instead
         if not self.closed:
-            self.transport.write(error_reply(err, self.front.request_id(), head_only=self.method == "HEAD"))
+            self.transport.write(error_reply(err, self.front.request_id(), head_only=self.method == "HEAD",
+                                             errors=self.errors))
         self.front.reject(err.status)
         self._linger()
 

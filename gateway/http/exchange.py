@@ -7,6 +7,7 @@ from typing import Final, Iterable, Mapping
 
 import orjson
 
+from gateway.apis.api import OPENAI_ERRORS, Api, ErrorShape
 from gateway.errors import GatewayError
 from gateway.http.wire import Wire
 
@@ -34,14 +35,16 @@ def head(status: int, headers: Headers, extra: str) -> bytes:
     return (STATUS_LINES.get(status) or _status_line(status)) + f"{lines}{extra}\r\n".encode("latin-1")
 
 
-def error_reply(err: GatewayError, request_id: str, *, head_only: bool = False) -> bytes:
-    """A whole error reply for a request the front refuses before anyone serves it; the connection then ends
-    (a reply to HEAD has no body, though its length is given). Like every reply it says its request id, and
-    that no backend was tried."""
-    body = err.body()
-    extra = (f"Content-Type: application/json\r\nx-request-id: {request_id}\r\nx-shapegate-backend: \r\n"
+def error_reply(err: GatewayError, request_id: str, *, head_only: bool = False,
+                errors: ErrorShape | None = None) -> bytes:
+    """A whole error reply for a request the front refuses before anyone serves it, in the shape of the API it was
+    for (`errors`; OpenAI's when none); the connection then ends (a reply to HEAD has no body, though its length is
+    given). Like every reply it says its request id, and why (no backend was tried: no x-shapegate-backend)."""
+    shape = errors if errors is not None else OPENAI_ERRORS
+    body = shape.body(err, request_id)
+    extra = (f"Content-Type: application/json\r\nx-request-id: {request_id}\r\n"
              f"x-shapegate-reason: {err.code or 'refused'}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n")
-    return head(err.status, err.headers, extra) + (b"" if head_only else body)
+    return head(shape.status_of(err), err.headers, extra) + (b"" if head_only else body)
 
 
 def too_large(limit: int, length: int | None = None) -> GatewayError:
@@ -61,16 +64,16 @@ class FrontExchange:
     The body accumulates here as the parser hands it over, never more than the body limit of it.
     """
 
-    __slots__ = ("conn", "method", "route", "target", "headers", "content_length", "chunked", "keep_alive",
+    __slots__ = ("conn", "method", "api", "target", "headers", "content_length", "chunked", "keep_alive",
                  "http10", "expect_continue", "parts", "size", "limit", "complete", "error", "done", "started",
                  "status")
 
-    def __init__(self, conn: Wire, method: str, route: str | None, target: str,
+    def __init__(self, conn: Wire, method: str, api: Api | None, target: str,
                  headers: dict[str, str], content_length: int | None, chunked: bool, keep_alive: bool,
                  http10: bool, expect_continue: bool, limit: int) -> None:
         self.conn = conn
         self.method = method
-        self.route = route
+        self.api = api  # the API route of the path (None: another route, served by aiohttp)
         self.target = target
         self.headers = headers
         self.content_length = content_length

@@ -13,12 +13,12 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.http.connection import API_ROUTES, IDLE, LINGER, FrontConnection
+from gateway.http.connection import IDLE, LINGER, FrontConnection
 from gateway.http.hooks import Owner
 from gateway.http.inner import InnerRoutes
 from gateway.http.server import ApiHandler, Server
 
-__all__ = ["API_ROUTES", "ApiHandler", "Front", "FrontConnection", "Owner", "start_serving"]
+__all__ = ["ApiHandler", "Front", "FrontConnection", "Owner", "start_serving"]
 
 
 class Front(Server):

@@ -6,14 +6,16 @@ import asyncio
 import resource
 from typing import Awaitable, Callable, Protocol
 
+from gateway.apis.api import Api
 from gateway.http.exchange import FrontExchange
 from gateway.http.hooks import Limits, Owner
 from gateway.http.inner import InnerRoutes
 from gateway.http.wire import HttpDate
 
-# The handler of an API request (a POST on one of API_ROUTES): the application's pipeline, handed to the server.
-# It answers through the exchange however the request ends; what it returns is not used.
-ApiHandler = Callable[[FrontExchange, str], Awaitable[object]]
+# The handler of an API request (a path of gateway/apis/registry.py, with a method its route allows): the
+# application's pipeline, handed to the server. It answers through the exchange however the request ends; what it
+# returns is not used.
+ApiHandler = Callable[[FrontExchange, Api], Awaitable[object]]
 
 
 class Held(Protocol):

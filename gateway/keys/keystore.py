@@ -10,7 +10,7 @@ import secrets
 import time
 
 from gateway.config import GatewayConfig, KeyLimits
-from gateway.keys.principal import Principal, hash_key, new_key
+from gateway.keys.principal import Principal, hash_key, new_key, principal
 from gateway.keys.storage import (ID_PATTERN, FileKeys, KeyBackend, KeyExists, KeyNotFound, KeyRecord, MemoryKeys,
                                   Records, RedisKeys, StoreUnavailable)
 from gateway.stats.share import STATS_DIR_ENV
@@ -23,6 +23,44 @@ POLL_S = 0.25  # how often a process looks for keys another process made or revo
 USED_PUBLISH_S = 2.0  # how often it publishes when its keys were last used
 GROUP_FILE = "runtime-keys"  # `serve --workers N` without Redis or keys_file, in the workers' shared directory
 # (named apart from the `*.json` stats summaries read there)
+
+
+def default_keys_file(config_path: str) -> str:
+    """Where `serve` keeps run-time keys when neither Redis nor [auth] keys_file is configured: beside the
+    configuration file, named after it (gateway.toml -> gateway.keys.json)."""
+    directory, name = os.path.split(os.path.abspath(config_path))
+    return os.path.join(directory, name.rpartition(".")[0] or name) + ".keys.json"
+
+
+def needs_keys_place(cfg: GatewayConfig) -> bool:
+    """Whether run-time keys would otherwise live in memory only (and be lost when the gateway stops)."""
+    return cfg.auth.enabled and cfg.state.backend != "redis" and not cfg.auth.keys_file
+
+
+def keeping_keys_in(cfg: GatewayConfig, path: str) -> GatewayConfig:
+    """The configuration with run-time keys kept in `path` (checked the way [auth] keys_file is: a ValueError
+    saying why when another local user could change that place, or this process cannot write there)."""
+    FileKeys(path, "the run-time keys file beside the configuration")
+    if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        raise ValueError(f"the run-time keys file beside the configuration {path}: its directory is not writable")
+    return cfg.model_copy(update={"auth": cfg.auth.model_copy(update={"keys_file": path})})
+
+
+def with_default_keys_file(old: GatewayConfig, new: GatewayConfig, config_path: str) -> GatewayConfig:
+    """A reloaded configuration keeps the keys file serve chose beside it (the file itself still names none)."""
+    default = default_keys_file(config_path)
+    if old.auth.keys_file == default and needs_keys_place(new):
+        return new.model_copy(update={"auth": new.auth.model_copy(update={"keys_file": default})})
+    return new
+
+
+def where_kept(cfg: GatewayConfig) -> str:
+    """Where run-time keys live, in words for the start-up log."""
+    if cfg.state.backend == "redis":
+        return f"in Redis ({cfg.state.key_prefix}keys)"
+    if cfg.auth.keys_file:
+        return f"in {cfg.auth.keys_file}"
+    return "in memory only (--ephemeral-keys): they are lost when the gateway stops"
 
 
 def backend_for(cfg: GatewayConfig) -> KeyBackend:
@@ -65,7 +103,7 @@ class KeyStore:
         return self.backend.kind
 
     def _swap(self, records: Records) -> None:
-        self.by_digest = {r.sha256: (r.sha256, Principal(r.id, r.admin, r.limits)) for r in records.values()}
+        self.by_digest = {r.sha256: (r.sha256, principal(r.id, r.admin, r.limits, r.sha256)) for r in records.values()}
         self.records = records
         self.generation += 1
 

@@ -33,7 +33,7 @@ class AccessEntry(Record):
     outcome: Final[Outcome | None]  # the last attempt's
     experiment: Final[str | None]
     arm: Final[str | None]
-    route: Final[str]  # the API route's name (gateway/apis/table.py)
+    route: Final[str]  # the API route's name (gateway/apis/registry.py)
 
     def __init__(self, ts: float, request_id: str, principal: str | None, shape: RequestShape | None,
                  backend: str, reason: str, status: int, result: str, outcome: Outcome | None,

@@ -13,6 +13,7 @@ from gateway.config import BackendConfig, ConfigError, GatewayConfig, RoutingCon
 from gateway.errors import GatewayError
 from gateway.experiments.experiment import Experiments
 from gateway.keys.auth import Authenticator
+from gateway.keys.keystore import with_default_keys_file
 from gateway.runtime import GATEWAY, build_policy, build_routing
 
 log = logging.getLogger("shapegate.reload")
@@ -183,7 +184,7 @@ class Reloader:
         # A few kilobytes from local disk, read on an operator's action: not worth a thread.
         old = self.g.cfg
         try:
-            new = load_config(self.path, build_policy)
+            new = with_default_keys_file(old, load_config(self.path, build_policy), str(self.path))
             p = apply(self.g, new)
         except ConfigError as e:
             self.g.metrics.reload("refused")

@@ -50,17 +50,19 @@ class PromptSizer:
 
     def need(self, shape: RequestShape) -> tuple[int, int]:
         """(tokens the request may need at most: the prompt at the high bound plus the output the client asked
-        for, none asked meaning the engine fills what is left; tokens its prompt needs at least)."""
+        for, none asked meaning the engine fills what is left; tokens its prompt needs at least). The prompt is
+        what must fit at once (`fit_tokens`: a rerank's largest query-document pair)."""
         low, high = self.bounds(shape.model)
-        return math.ceil(shape.prompt_tokens * high) + (shape.max_output or 0), math.floor(shape.prompt_tokens * low)
+        n = shape.fit_tokens
+        return math.ceil(n * high) + (shape.max_output or 0), math.floor(n * low)
 
     def learn_refusal(self, shape: RequestShape, err: GatewayError, window: int) -> None:
         """An engine with `window` tokens refused the request as too long: learn what it says of the prompt."""
         n, exact = prompt_tokens_of(err)
         if n is not None and exact:
-            self.observe(shape.model, shape.prompt_tokens, n)
+            self.observe(shape.model, shape.fit_tokens, n)
         else:
-            self.at_least(shape.model, shape.prompt_tokens, max(n or 0, window - (shape.max_output or 0)))
+            self.at_least(shape.model, shape.fit_tokens, max(n or 0, window - (shape.max_output or 0)))
 
 
 def prompt_tokens_of(err: GatewayError) -> tuple[int | None, bool]:

@@ -290,11 +290,15 @@ class SSERelay:
             out = self._events(data)
             if self.meter.saw_done:
                 # The client's stream is complete: the last bytes and the end of the body go in one write.
+                await self.before_end()
                 await self.resp.write_eof(out)
             elif out:
                 await self.resp.write(out)
         finally:
             self._busy = False
+
+    async def before_end(self) -> None:
+        """The stream's last bytes are about to go out (a subclass may have something to do first)."""
 
     async def finish(self) -> None:
         """End of the upstream body: flush a trailing event, make sure the client gets a clean ending."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Protocol
 
+from gateway.apis.api import Api
 from gateway.contracts import Outcome, RequestShape
 
 
@@ -73,6 +74,10 @@ class Caller(Protocol):
     @property
     def admin(self) -> bool: ...
 
+    @property
+    def owner(self) -> str:
+        """Whose stored state the key reaches (its identity, not only its id)."""
+
 
 class Held(Protocol):
     """What a request took from its key's rate limits (gateway/limits/limiter.py's Reservation)."""
@@ -112,17 +117,35 @@ class Tap(Protocol):
         """The request ended, with this last attempt (None: no backend was tried): the comparison may start."""
 
 
+class Turn(Protocol):
+    """A Responses request whose state the gateway keeps (gateway/state/turns.py), as its attempts use it."""
+
+    async def finish_reply(self, data: bytes) -> bytes:
+        """A whole reply's Response, recorded; the bytes the client gets."""
+
+
+class KeptBy(Protocol):
+    """A Responses request whose state the engines keep (gateway/state/engine_index.py), as its attempts use it."""
+
+    def after_reply(self, data: bytes, backend: str, method: str) -> None:
+        """A whole reply from `backend`: which engine now keeps what (or no longer)."""
+
+    def watcher(self, backend: str) -> Any:
+        """What follows a stream from `backend` (a Watcher of gateway/routing/typed_relay.py), or None."""
+
+
 class RequestState:
     """Everything one client request gathers on its way through the pipeline: where it came from and who sent
     it, its body and shape, where it went and why, and how its last attempt ended."""
 
-    __slots__ = ("request_id", "ex", "route", "principal", "t_in", "raw", "body", "shape", "backend", "reason",
-                 "outcome", "split", "shadow", "tap", "limit", "limit_lines")
+    __slots__ = ("request_id", "ex", "api", "route", "principal", "t_in", "raw", "body", "shape", "backend", "reason",
+                 "outcome", "split", "shadow", "tap", "limit", "limit_lines", "turn", "kept_by", "session")
 
-    def __init__(self, request_id: str, ex: Exchange, route: str) -> None:
+    def __init__(self, request_id: str, ex: Exchange, api: Api) -> None:
         self.request_id = request_id
         self.ex = ex
-        self.route = route  # a route name of gateway/apis/table.py: "chat", "responses", "messages", ...
+        self.api = api  # the route (gateway/apis/): what the request's body, stream and errors are
+        self.route = api.name
         self.principal: Caller | None = None  # set once the API key is checked
         self.t_in = 0.0  # perf_counter when the pipeline took the request
         self.raw = b""  # the body as the client sent it
@@ -136,3 +159,6 @@ class RequestState:
         self.tap: Tap | None = None  # where the reply goes when a copy went out
         self.limit: Held | None = None  # what it took from its key's rate limits
         self.limit_lines = ""  # ...and the x-ratelimit header lines its replies carry
+        self.turn: Any = None  # a Turn: its state kept by the gateway (a Responses request that stores or continues)
+        self.kept_by: KeptBy | None = None  # its state kept by the engines ([responses] state = "engine")
+        self.session: str | None = None  # a session the state gave it (a chain's or a conversation's first id)

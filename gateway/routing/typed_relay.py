@@ -1,41 +1,48 @@
 """Relay of a typed event stream (Responses, Anthropic Messages): `event:` lines, its own usage and ending, no [DONE].
 
-The chat relay's framing, bounds and write path (SSERelay) with the API's own rules for what a token is, where the
-usage is, how the stream ends and what error event a failure sends. Ordinary token events pass unparsed; only the
-few events that carry an id, usage, an ending or an error are parsed."""
+The chat relay's framing, bounds and write path (SSERelay) with the API's own rules (gateway/apis/api.py's
+StreamRules) for what a token is, which events say something, and what error event a failure sends. Ordinary token
+events pass unparsed; only the few events that carry an id, usage, an ending or an error are parsed, and shown to
+the stream's Watcher (a stream whose state the gateway keeps has its Response object rewritten in the events that
+carry it, and is recorded before its final event goes out)."""
 
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any, Callable, Final
+from typing import Any, Final, Protocol
 
 import orjson
 
-from gateway.apis import messages, responses
-from gateway.errors import GatewayError, error_from_event
+from gateway.apis.api import StreamRules
+from gateway.apis.messages import error_of
+from gateway.errors import GatewayError
 from gateway.routing.relay import ModelRewrite, SSERelay, StreamMeter
 
-
-class TypedRules:
-    """One API's stream: the mark of a token event, the marks of events worth parsing, its error event."""
-
-    __slots__ = ("api", "token_mark", "special", "error_event")
-
-    def __init__(self, api: str, token_mark: bytes, special: tuple[bytes, ...],
-                 error_event: Callable[[GatewayError, bytes], bytes]) -> None:
-        self.api = api
-        self.token_mark = token_mark
-        self.special = special
-        self.error_event = error_event
+FIRST_ERROR_STARTS: Final[tuple[bytes, ...]] = (b"event: error", b"event:error", b'data: {"type":"error"',
+                                                b'data: {"error"', b'data:{"error"')
 
 
-RULES: Final[dict[str, TypedRules]] = {
-    "responses": TypedRules("responses", responses.TOKEN_MARK, responses.SPECIAL, responses.error_event),
-    "messages": TypedRules("messages", messages.TOKEN_MARK, messages.SPECIAL, messages.error_event),
-}
-RULES["response"] = RULES["responses"]  # a stored response's GET with ?stream=true replays its events
-FIRST_ERROR_STARTS: Final[tuple[bytes, ...]] = (b"event: error", b"event:error", b'data: {"type":"error"', b'data: {"error"',
-                             b'data:{"error"')
+class Watcher(Protocol):
+    """What follows a stream's special events beyond the meter: the id of a response an engine keeps
+    (gateway/state/engine_index.py's IdSink), or the state the gateway keeps (gateway/state/turns.py's Turn)."""
+
+    @property
+    def marks(self) -> tuple[bytes, ...]:
+        """Marks of more events to parse than the API's own special ones."""
+
+    @property
+    def holds(self) -> tuple[bytes, ...]:
+        """Marks of events that wait for end() before they go out."""
+
+    @property
+    def renamed(self) -> tuple[bytes, bytes] | None:
+        """(the engine's id, the gateway's): replaced wherever it appears."""
+
+    def on_event(self, obj: dict[str, Any]) -> bool:
+        """A parsed special event; True when it changed obj (the event then goes out as obj)."""
+
+    async def end(self) -> None:
+        """The stream's last event is about to go out."""
 
 
 def first_event_error(first: bytes) -> GatewayError | None:
@@ -51,33 +58,38 @@ def first_event_error(first: bytes) -> GatewayError | None:
     if not isinstance(payload, dict):
         return GatewayError(502, "The upstream engine began its stream with a malformed error event.",
                             code="upstream_error")
-    return _error_of(payload)
-
-
-def _error_of(obj: dict[str, Any]) -> GatewayError:
-    """An error event of either API (Anthropic's {"error": {type, message}}, the Responses API's flat one)."""
-    err = obj.get("error")
-    if isinstance(err, dict):
-        kind = err.get("type")
-        status = 529 if kind == "overloaded_error" else 400 if kind == "invalid_request_error" else 500
-        e = error_from_event({"error": {**err, "code": err.get("code", status)}})
-        return e
-    message = obj.get("message") if isinstance(obj.get("message"), str) else "The engine reported an error."
-    code = obj.get("code") if isinstance(obj.get("code"), str) else "server_error"
-    return GatewayError(500, str(message), code=code)
+    return error_of(payload)
 
 
 class TypedRelay(SSERelay):
-    """SSERelay for a typed stream; `on_id` gets the id of the response the stream makes (Responses API)."""
+    """SSERelay for a typed stream, with a Watcher of its special events when one is given."""
 
-    __slots__ = ("rules", "on_id", "last")
+    __slots__ = ("rules", "last", "watcher", "marks", "holds")
 
-    def __init__(self, resp, meter: StreamMeter, rules: TypedRules, rename: ModelRewrite,
-                 max_event: int = 1 << 20, on_id: Callable[[str], None] | None = None) -> None:
+    def __init__(self, resp, meter: StreamMeter, rules: StreamRules, rename: ModelRewrite,
+                 max_event: int = 1 << 20, watcher: Watcher | None = None) -> None:
         super().__init__(resp, meter, strip_usage=False, rename=rename, max_event=max_event)
         self.rules = rules
-        self.on_id = on_id
         self.last = b""  # the last block passed on (a failure's event is numbered after it)
+        self.watcher = watcher
+        self.marks = rules.special if watcher is None else tuple(dict.fromkeys((*rules.special, *watcher.marks)))
+        self.holds = () if watcher is None else watcher.holds
+
+    def take(self, chunk: bytes) -> bool:
+        for mark in self.holds:
+            if chunk.find(mark) >= 0:
+                return False  # an event that waits for the watcher's end(): feed() takes it
+        return super().take(chunk)
+
+    async def before_end(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.end()
+
+    def _renamed(self, block: bytes) -> bytes:
+        pair = self.watcher.renamed if self.watcher is not None else None
+        if pair is not None and block.find(pair[0]) >= 0:
+            block = block.replace(pair[0], pair[1])
+        return self.rename(block)
 
     def _events(self, block: bytes) -> bytes:
         m = self.meter
@@ -93,7 +105,7 @@ class TypedRelay(SSERelay):
             m.t_last = now
             m.token_events += tokens
         starts: list[int] | None = None
-        for mark in rules.special:
+        for mark in self.marks:
             i = block.find(mark)
             while i >= 0:  # the event holding it: from after the blank line before it (few per stream)
                 before = block.rfind(b"\n\n", 0, i)
@@ -104,60 +116,37 @@ class TypedRelay(SSERelay):
                     starts.append(start)
                 i = block.find(mark, i + len(mark))
         if starts is None:
-            return self.rename(block)  # token events only: passed as they came
+            return self._renamed(block)  # token events only: passed as they came
         starts.sort()  # (in stream order: the id before the ending)
+        out: list[bytes] = []
+        at = 0
         for start in starts:
             end = block.find(b"\n\n", start)
-            self._special(block[start:end if end >= 0 else len(block)])
-        return self.rename(block)
+            end = end if end >= 0 else len(block)
+            new = self._special(block[start:end])
+            if new is not None:
+                out += (block[at:start], new)
+                at = end
+        if out:
+            out.append(block[at:])
+            block = b"".join(out)
+        return self._renamed(block)
 
-    def _special(self, ev: bytes) -> None:
+    def _special(self, ev: bytes) -> bytes | None:
+        """Note what an event says; its new bytes when the event was rewritten (else None: it goes as it came)."""
         i = ev.find(b"data:")
         if i < 0:
-            return
+            return None
         try:
             obj = orjson.loads(ev[i + 5:])
         except orjson.JSONDecodeError:
-            return
+            return None
         if not isinstance(obj, dict):
-            return
-        kind = obj.get("type")
-        m = self.meter
-        if self.rules.api == "responses":
-            resp = obj.get("response")
-            resp = resp if isinstance(resp, dict) else {}
-            if kind == "response.created" and self.on_id is not None:
-                rid = responses.id_of(resp)
-                if rid is not None:
-                    self.on_id(rid)
-            elif kind in ("response.completed", "response.incomplete"):
-                m.usage = responses.usage(resp) or m.usage
-                m.saw_finish = m.saw_done = True
-            elif kind == "response.failed":
-                err = resp.get("error")
-                msg = err.get("message") if isinstance(err, dict) else None
-                m.error = GatewayError(502, f"The upstream engine failed: {msg or 'response.failed'}.",
-                                       code="upstream_error")
-                m.saw_done = True
-            elif kind == "error":
-                m.error = _error_of(obj)
-                m.saw_done = True
-            return
-        if kind == "message_start":
-            msg = obj.get("message")
-            u = messages.usage_of_message(msg) if isinstance(msg, dict) else None
-            if u:
-                m.usage = {**(m.usage or {}), **u}
-        elif kind == "message_delta":
-            u = messages.usage_of_message(obj)
-            if u:
-                m.usage = {**(m.usage or {}), **u}
-            m.saw_finish = True
-        elif kind == "message_stop":
-            m.saw_done = True
-        elif kind == "error":
-            m.error = _error_of(obj)
-            m.saw_done = True
+            return None
+        self.rules.note(obj, self.meter)
+        if self.watcher is None or not self.watcher.on_event(obj):
+            return None
+        return ev[:i] + b"data: " + orjson.dumps(obj)
 
     async def finish(self) -> None:
         """End of the engine's body: a trailing event flushed, and a stream that did not end properly gets the
@@ -169,6 +158,7 @@ class TypedRelay(SSERelay):
         if not m.saw_done and m.error is None:
             m.error = GatewayError(502, "The upstream engine ended the stream early.", code="upstream_truncated")
             tail += self.rules.error_event(m.error, self.last)
+        await self.before_end()
         await self.resp.write_eof(tail)
 
     async def fail(self, err: GatewayError) -> None:

@@ -11,7 +11,7 @@ from aiohttp.typedefs import Middleware
 
 from gateway.sim import anthropic, pooling, responses
 from gateway.sim import faults as faults_mod
-from gateway.sim.handlers import embeddings, make_chat_handler
+from gateway.sim.handlers import make_chat_handler
 from gateway.sim.options import SimOptions
 from gateway.sim.routes import engine_routes, llama_loading, sim_state
 from gateway.sim.state import SIM, SimState
@@ -63,13 +63,12 @@ def _llama_not_found() -> web.Response:
     return _json({"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404)
 
 
-def inference_routes(engine: str) -> list[web.RouteDef]:
+def inference_routes(engine: str, serves: frozenset[str]) -> list[web.RouteDef]:
     chat, text = make_chat_handler("chat"), make_chat_handler("text")
-    routes = [web.post("/v1/chat/completions", chat), web.post("/v1/completions", text),
-              web.post("/v1/embeddings", embeddings)]
+    routes = [web.post("/v1/chat/completions", chat), web.post("/v1/completions", text)]
     if engine == "llamacpp":
-        routes += [web.post("/chat/completions", chat), web.post("/embeddings", embeddings)]
-    return routes + responses.routes(engine) + anthropic.routes(engine) + pooling.routes(engine)
+        routes.append(web.post("/chat/completions", chat))
+    return routes + responses.routes(engine) + anthropic.routes(engine) + pooling.routes(engine, serves)
 
 
 def build_app(opts: SimOptions, bind_later: bool = False) -> web.Application:
@@ -82,7 +81,7 @@ def build_app(opts: SimOptions, bind_later: bool = False) -> web.Application:
     app[SIM] = st
     app[FAULTS] = st.faults
     app.add_routes(engine_routes(opts.engine))
-    app.add_routes(inference_routes(opts.engine))
+    app.add_routes(inference_routes(opts.engine, opts.serves))
     app.add_routes(faults_mod.admin_routes(FAULTS))
     app.add_routes([web.get("/sim/state", sim_state)])
 

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         action=argparse.BooleanOptionalAction,
                         help="keep `store: true` Responses-API responses (default: the engine's own: "
                              "vLLM off, as without VLLM_ENABLE_RESPONSES_API_STORE=1; SGLang on)")
+    parser.add_argument("--serves", nargs="+", default=[], metavar="API",
+                        help="APIs the simulated model serves besides text: embeddings, rerank, score, "
+                             "transcriptions, translations (each flavour those its engine has); without them "
+                             "it refuses them as the engine does for a text model")
     faults = parser.add_argument_group("fault knobs (also at run time: POST /sim/faults)")
     faults.add_argument("--fault-error-rate", type=float, default=0.0, metavar="P")
     faults.add_argument("--fault-error-status", type=int, default=500, metavar="STATUS")
@@ -77,7 +81,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         engine=args.engine, model=args.model, profile=args.profile, slots=args.slots,
         seed=args.seed, host=args.host, port=args.port, warmup_s=args.warmup, faults=faults,
         served_model_names=tuple(args.aliases), max_model_len=args.max_model_len,
-        report_cached_tokens=args.report_cached_tokens, responses_store=args.responses_store)
+        report_cached_tokens=args.report_cached_tokens, responses_store=args.responses_store,
+        serves=frozenset(args.serves))
     opts.resolve_profile()
     return opts
 

@@ -7,6 +7,16 @@ from dataclasses import dataclass, field, replace
 from gateway.sim.faults import FaultSpec
 from gateway.sim.profiles import Profile, get_profile
 
+# The APIs besides text generation each flavour can simulate. A real engine serves them only with another model
+# or a flag (llama-server --embeddings / --reranking or a model that hears; a vLLM pooling or speech model;
+# SGLang --is-embedding), and refuses them otherwise: vLLM mounts no route (404), llama-server answers 501
+# (tests/e2e/OBSERVED.md), SGLang 400. score and translations are no routes of llama-server at all.
+EXTRA_APIS: dict[str, tuple[str, ...]] = {
+    "vllm": ("embeddings", "rerank", "score", "transcriptions", "translations"),
+    "sglang": ("embeddings", "rerank"),
+    "llamacpp": ("embeddings", "rerank", "transcriptions"),
+}
+
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -27,6 +37,20 @@ class SimOptions:
     # Responses API `store`: None is the engine's default (vLLM off unless VLLM_ENABLE_RESPONSES_API_STORE=1,
     # SGLang on); llama-server stores nothing either way.
     responses_store: bool | None = None
+    # EXTRA_APIS the simulated model serves (none: a text model, as the e2e tests' tiny models are). It keeps
+    # generating text too, which a real engine's pooling or speech model would not.
+    serves: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        known = EXTRA_APIS.get(self.engine, ())
+        unknown = sorted(set(self.serves) - set(known))
+        if unknown:
+            raise ValueError(f"the {self.engine} flavour does not simulate {', '.join(unknown)} "
+                             f"(it can serve: {', '.join(known) or 'none'})")
+        if self.engine == "llamacpp" and "rerank" in self.serves:  # llama-server --reranking embeds too
+            object.__setattr__(self, "serves", frozenset(self.serves) | {"embeddings"})
+        else:
+            object.__setattr__(self, "serves", frozenset(self.serves))
 
     def resolve_profile(self) -> Profile:
         """The profile these options run, with the slot and context overrides applied."""

@@ -133,6 +133,12 @@ def context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError |
     if n_in >= n:
         return ApiError(400, f"The input ({n_in} tokens) is longer than the model's context "
                              f"length ({n} tokens).")
+    return sglang_total_error(n, n_in, limit)
+
+
+def sglang_total_error(n: int, n_in: int, limit: int | None) -> ApiError | None:
+    """SGLang refuses a prompt and output cap that together pass its context, on every generating route (its
+    tokenizer manager's check): max_tokens, max_completion_tokens, max_output_tokens alike."""
     if limit is not None and n_in + limit > n:
         return ApiError(400, f"Requested token count exceeds the model's maximum context length "
                              f"of {n} tokens. You requested a total of {n_in + limit} tokens: "

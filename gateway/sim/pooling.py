@@ -1,4 +1,4 @@
-"""Rerank, score and audio transcription routes of a simulated engine, each in its engine's shape."""
+"""Embeddings, rerank, score and audio routes of a simulated engine, in its engine's shape or refused as it refuses."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.sim import pump
 from gateway.sim.errors import ApiError
-from gateway.sim.handlers import error_response, generating, read_json
+from gateway.sim.handlers import Handler, embeddings, error_response, generating, read_json
 from gateway.sim.parse import check_model
 from gateway.sim.state import SIM, SimState
 from gateway.sim.tokens import VOCAB, encode, fixed_output, words
@@ -179,7 +179,8 @@ async def transcriptions(request: web.Request, st: SimState) -> web.Response:
     if fmt == "text":
         return web.Response(text=text, content_type="text/plain")
     if fmt == "verbose_json":
-        return _json({"task": "transcribe", "language": str(form.get("language") or "en"),
+        task = "translate" if request.path.endswith("/translations") else "transcribe"
+        return _json({"task": task, "language": str(form.get("language") or "en"),
                       "duration": float(seconds), "text": text, "words": None,
                       "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": float(seconds),
                                     "text": text, "tokens": list(output.ids),
@@ -211,13 +212,56 @@ def _check_transcription(st: SimState, form: Any, upload: Any, fmt: str) -> None
                        param="response_format")
 
 
-def routes(engine: str) -> list[web.RouteDef]:
-    if engine == "vllm":
-        return [web.post(p, rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")] + [
-            web.post("/score", score), web.post("/v1/score", score),
-            web.post("/v1/audio/transcriptions", transcriptions)]
-    if engine == "sglang":
-        return [web.post("/v1/rerank", rerank)]
-    return [web.post(p, rerank) for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")] + [
-        web.post("/v1/audio/transcriptions", transcriptions),
-        web.post("/audio/transcriptions", transcriptions)]
+# How an engine whose model does not serve an API refuses it, where it has the route. llama-server b11434 on a
+# text model: tests/e2e/OBSERVED.md. SGLang's tokenizer manager refuses an embedding request (rerank is one) to a
+# generation model with this ValueError, which its OpenAI layer answers as a 400. vLLM mounts no route (a 404).
+_NOT_EMBEDDING = ("This model does not appear to be an embedding model by default. Please add `--is-embedding` "
+                  "when launching the server or try another model.")
+REFUSALS: dict[tuple[str, str], tuple[int, str]] = {
+    ("llamacpp", "embeddings"): (501, "This server does not support embeddings. Start it with `--embeddings`"),
+    ("llamacpp", "rerank"): (501, "This server does not support reranking. Start it with `--reranking`"),
+    ("llamacpp", "transcriptions"): (501, "The current model does not support audio input."),
+    ("sglang", "embeddings"): (400, _NOT_EMBEDDING),
+    ("sglang", "rerank"): (400, _NOT_EMBEDDING),
+}
+
+
+def served(engine: str, api: str, handler: Handler, serves: frozenset[str]) -> Handler | None:
+    """The route's handler: the API's own when the model serves it, else the engine's refusal (None: no route)."""
+    if api in serves:
+        return handler
+    refusal = REFUSALS.get((engine, api))
+    if refusal is None:
+        return None
+
+    async def refuse(request: web.Request) -> web.Response:
+        st = request.app[SIM]
+        await st.ready.wait()
+        return error_response(st, ApiError(*refusal))
+
+    return refuse
+
+
+# Each engine's paths of each API it has routes for.
+PATHS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm": {"embeddings": ("/v1/embeddings",), "rerank": ("/rerank", "/v1/rerank", "/v2/rerank"),
+             "score": ("/score", "/v1/score"), "transcriptions": ("/v1/audio/transcriptions",),
+             "translations": ("/v1/audio/translations",)},
+    "sglang": {"embeddings": ("/v1/embeddings",), "rerank": ("/v1/rerank",)},
+    "llamacpp": {"embeddings": ("/v1/embeddings", "/embeddings"),
+                 "rerank": ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"),
+                 "transcriptions": ("/v1/audio/transcriptions", "/audio/transcriptions")},
+}
+
+
+def routes(engine: str, serves: frozenset[str]) -> list[web.RouteDef]:
+    """The engine's paths for each API, with the handler `served` gives (none where it mounts no route)."""
+    paths = PATHS[engine]
+    handlers: dict[str, Handler] = {"embeddings": embeddings, "rerank": rerank, "score": score,
+                                    "transcriptions": transcriptions, "translations": transcriptions}
+    out = []
+    for api, api_paths in paths.items():
+        handler = served(engine, api, handlers[api], serves)
+        if handler is not None:
+            out += [web.post(p, handler) for p in api_paths]
+    return out

@@ -12,7 +12,7 @@ from gateway.sim import forced, pump
 from gateway.sim import responses_fmt as rf
 from gateway.sim.errors import ApiError
 from gateway.sim.handlers import error_response, generating, read_json
-from gateway.sim.parse import ParseContext, check_model
+from gateway.sim.parse import ParseContext, check_model, sglang_total_error
 from gateway.sim.scheduler import SimRequest
 from gateway.sim.state import SIM, SimState
 from gateway.sim.store import Stored
@@ -104,10 +104,12 @@ def _output_message(item: dict[str, Any]) -> dict[str, Any]:
             "content": "".join(p.get("text", "") for p in item.get("content", []))}
 
 
-def _context_error(st: SimState, n_in: int) -> ApiError | None:
+def _context_error(st: SimState, n_in: int, limit: int | None) -> ApiError | None:
+    """Each engine's refusal of a prompt (and, on SGLang, of max_output_tokens) its context cannot hold; vLLM and
+    llama-server cap the output at the room left instead (tests/e2e/OBSERVED.md)."""
     n = st.profile.slot_ctx() if st.engine_name == "llamacpp" else st.profile.max_model_len
     if n_in < n:
-        return None
+        return sglang_total_error(n, n_in, limit) if st.engine_name == "sglang" else None
     if st.engine_name == "vllm":
         return ApiError(400, f"The engine prompt length {n_in} exceeds the max_model_len {n}. "
                              "Please reduce prompt.", "invalid_request_error", "input")
@@ -148,13 +150,13 @@ def prepare(st: SimState, body: dict[str, Any]) -> tuple[rf.RespCall, Messages, 
     tools = forced.responses_tools(body)
     constraint = forced.responses_constraint(engine, body, tools)
     tokens = encode(render_chat(messages, True, forced.tools_text(tools)))
-    error = _context_error(st, len(tokens))
-    if error is not None:
-        raise error
     limit = _int(body, "max_output_tokens")
     if limit is not None and limit < 1:
         raise ApiError(400, f"max_output_tokens must be at least 1, got {limit}.",
                        param="max_output_tokens")
+    error = _context_error(st, len(tokens), limit)
+    if error is not None:
+        raise error
     room = (st.profile.slot_ctx() if engine == "llamacpp" else st.profile.max_model_len) - len(tokens)
     cap = min(limit, room) if limit is not None else room
     seed = _int(body, "seed") or 0

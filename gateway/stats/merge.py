@@ -51,7 +51,8 @@ def take_summary(g, now_m: float | None = None, now_wall: float | None = None) -
             "fit": {f: getattr(est, f) for f in FIT_FIELDS},
             "failovers": tallied.get(("failovers", b.id), 0),
             "breaker_openings": tallied.get(("breaker_openings", b.id), 0),
-            "unsupported": dict(b.unsupported), "span_s": s["span_s"], "classes": s["classes"]}
+            "unsupported": dict(b.unsupported), "misconfigured": b.misconfigured, "span_s": s["span_s"],
+            "classes": s["classes"]}
     rejected: dict[str, int] = {}
     reasons: dict[str, dict[str, int]] = {}
     for key, n in tallied.items():
@@ -132,6 +133,7 @@ def _read_backend(b: dict, taken_at: float) -> dict:
             "in_flight": _count(b["in_flight"]), "failovers": _count(b["failovers"]),
             "breaker_openings": _count(b["breaker_openings"]), "load": load,
             "unsupported": {str(k): str(v) for k, v in (b.get("unsupported") or {}).items()},
+            "misconfigured": str(b["misconfigured"])[:500] if b.get("misconfigured") else None,
             "fit": _read_fit(b["fit"]),
             "classes": {str(k): _read_class(c, span) for k, c in b["classes"].items()}}
 
@@ -139,13 +141,15 @@ def _read_backend(b: dict, taken_at: float) -> dict:
 def _merge_backend(m: dict | None, b: dict) -> dict:
     if m is None:
         m = {"engine": b["engine"], "views": {"health": {}, "breaker": {}}, "in_flight": 0, "load": None,
-             "fit": None, "failovers": 0, "breaker_openings": 0, "unsupported": {}, "classes": {}}
+             "fit": None, "failovers": 0, "breaker_openings": 0, "unsupported": {}, "misconfigured": None,
+             "classes": {}}
     for view in ("health", "breaker"):
         counts = m["views"][view]
         counts[b[view]] = counts.get(b[view], 0) + 1
     for k in ("in_flight", "failovers", "breaker_openings"):
         m[k] += b[k]
     m["unsupported"].update(b["unsupported"])  # a model any process found unsupported there, with the reason
+    m["misconfigured"] = m["misconfigured"] or b["misconfigured"]
     load = b["load"]
     if load is not None and (m["load"] is None or load["taken_at"] > m["load"]["taken_at"]):
         m["load"] = load
@@ -254,6 +258,7 @@ def _backend_row(bid: str, m: dict, now_wall: float) -> dict:
         **rep,
         "failovers": m["failovers"], "breaker_openings": m["breaker_openings"],
         "unsupported": m["unsupported"],  # [probe] at_start: models not routed here, and why
+        "misconfigured": m["misconfigured"],  # why the backend takes no requests though its engine is up
         "views": m["views"],  # how many processes see the backend in each state
         "model": {"ttft_t0_ms": round(est.ttft_t0 * 1000, 3), "prefill_tps": round(est.prefill_rate, 1),
                   "itl_a_ms": round(est.itl_a * 1000, 3), "itl_b_ms": round(est.itl_b * 1000, 4),

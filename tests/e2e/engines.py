@@ -9,7 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,11 +154,17 @@ async def start_llama_server(*, binary: Path | None = None, model_path: Path | N
 async def start_vllm_server(*, model_dir: Path | None = None, served_name: str = VLLM_NAME,
                             max_num_seqs: int | None = 2, max_model_len: int = 4096,
                             extra_args: Sequence[str] = (), timeout: float = 300.0,
-                            port: int | None = None) -> EngineHandle:
-    """Launch vLLM's OpenAI server from its venv; ready when /health answers 200 (refused until then)."""
+                            port: int | None = None, env_changes: Mapping[str, str] | None = None) -> EngineHandle:
+    """Launch vLLM's OpenAI server from its venv; ready when /health answers 200 (refused until then).
+    `env_changes`: variables set (or, with "", unset) over LAUNCH_ENV."""
     python = await asyncio.to_thread(vllm_env.ensure_vllm_venv)
     model_dir = model_dir or await asyncio.to_thread(ensure_hf_model, python)
     env = {**os.environ, **vllm_env.LAUNCH_ENV}
+    for name, value in (env_changes or {}).items():
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
     fixed = port
     for attempt in range(3):
         port = fixed or free_port()

@@ -315,9 +315,10 @@ async def test_unserved_path_is_404(side: Side) -> None:
 # -- stored responses across replicas ---------------------------------------------------------------------------
 async def test_responses_chain_through_two_replicas_sharing_redis(llama_server: EngineHandle,
                                                                   vllm_server: EngineHandle) -> None:
-    """Two replicas share Redis in front of vLLM (which stores responses) and llama-server (which does not), by
-    round robin: a chain of 3 turns alternates replicas, and each follow-up reaches the engine that holds the
-    response it continues; the replica that did not make a response finds it; another key gets a 404."""
+    """With the state left to the engines ([responses] state = "engine"): two replicas share Redis in front of vLLM
+    (which stores responses) and llama-server (which does not), by round robin: a chain of 3 turns alternates
+    replicas, and each follow-up reaches the engine that holds the response it continues; the replica that did not
+    make a response finds it; another key gets a 404. (The gateway's own state: test_gateway_state.py.)"""
     import uuid
 
     from gateway.keys.principal import hash_key
@@ -329,6 +330,7 @@ async def test_responses_chain_through_two_replicas_sharing_redis(llama_server: 
     cfg = config([backend("vllm-real", "vllm", vllm_server.url), backend("llamacpp-real", "llamacpp",
                                                                          llama_server.url)])
     cfg["state"] = {"backend": "redis", "key_prefix": f"e2e-{uuid.uuid4().hex[:8]}:"}
+    cfg["responses"] = {"state": "engine"}
     cfg["auth"]["keys"].append({"id": "other", "sha256": hash_key(other)})
     replicas = [await start_gateway(cfg), await start_gateway(cfg)]
     try:

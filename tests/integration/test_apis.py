@@ -1,5 +1,7 @@
 """Responses, Messages, rerank and transcriptions through the gateway, with the official openai and anthropic clients:
-stored responses stay with the backend and the key that made them, errors take each API's shape."""
+with the state kept by the engines ([responses] state = "engine"), stored responses stay with the backend and the
+key that made them; errors take each API's shape. (With the state kept by the gateway, the default:
+test_responses_state.py.)"""
 
 from __future__ import annotations
 
@@ -21,9 +23,19 @@ def _cfg(engines, **sections):
     return cfg
 
 
+ENGINE_STATE = {"state": "engine"}
+
+
 @pytest.fixture
 async def gw(api_engines):
     g = await start_gateway(_cfg(api_engines))
+    yield g
+    await g.stop()
+
+
+@pytest.fixture
+async def gw_engine(api_engines):
+    g = await start_gateway(_cfg(api_engines, responses=ENGINE_STATE))
     yield g
     await g.stop()
 
@@ -54,8 +66,8 @@ async def test_responses_create_streamed_and_not_with_usage_counted(gw):
     assert 'shapegate_completion_tokens_total{backend="b0"}' in metrics or "b1" in metrics
 
 
-async def test_previous_response_chain_stays_on_the_backend_that_made_it(gw, api_engines):
-    async with oai(gw) as c:
+async def test_previous_response_chain_stays_on_the_backend_that_made_it(gw_engine, api_engines):
+    async with oai(gw_engine) as c:
         first = await c.responses.create(model="m", input="turn 1")
         made_on = first.output_text[0]  # "a" or "b": the engine's name
         prev = first.id
@@ -72,8 +84,8 @@ async def test_previous_response_chain_stays_on_the_backend_that_made_it(gw, api
             await c.responses.retrieve(prev)
 
 
-async def test_another_keys_response_id_is_a_404_on_every_route(gw):
-    async with oai(gw) as mine, oai(gw, OTHER_KEY) as theirs:
+async def test_another_keys_response_id_is_a_404_on_every_route(gw_engine):
+    async with oai(gw_engine) as mine, oai(gw_engine, OTHER_KEY) as theirs:
         r = await mine.responses.create(model="m", input="secret")
         for call in (lambda: theirs.responses.retrieve(r.id), lambda: theirs.responses.delete(r.id),
                      lambda: theirs.post(f"/responses/{r.id}/cancel", cast_to=object),
@@ -89,7 +101,7 @@ async def test_another_keys_response_id_is_a_404_on_every_route(gw):
 
 
 async def test_a_stored_responses_backend_down_is_a_clear_error(api_engines):
-    g = await start_gateway(_cfg(api_engines))
+    g = await start_gateway(_cfg(api_engines, responses=ENGINE_STATE))
     try:
         async with oai(g) as c:
             r = await c.responses.create(model="m", input="x")
@@ -113,8 +125,8 @@ async def test_a_stored_responses_backend_down_is_a_clear_error(api_engines):
 async def test_replicas_sharing_redis_find_each_others_stored_responses(api_engines):
     import uuid
     state = {"backend": "redis", "key_prefix": f"test-{uuid.uuid4().hex[:8]}:"}
-    a = await start_gateway(_cfg(api_engines, state=state))
-    b = await start_gateway(_cfg(api_engines, state=state))
+    a = await start_gateway(_cfg(api_engines, state=state, responses=ENGINE_STATE))
+    b = await start_gateway(_cfg(api_engines, state=state, responses=ENGINE_STATE))
     try:
         async with oai(a) as ca, oai(b) as cb, oai(b, OTHER_KEY) as other:
             r = await ca.responses.create(model="m", input="made on replica a")
@@ -224,12 +236,12 @@ async def test_rerank_under_each_name_and_transcriptions_as_a_form(gw, api_engin
 async def test_engine_response_ids_of_another_form_are_never_stored(api_engines):
     for e in api_engines:
         e.knobs.bad_id = True
-    g = await start_gateway(_cfg(api_engines))
+    g = await start_gateway(_cfg(api_engines, responses=ENGINE_STATE))
     try:
         async with oai(g) as c:
             r = await c.responses.create(model="m", input="x")
             assert r.id.startswith("resp ")
-        assert len(g.state.stored._local) == 0
+        assert len(g.state.engine_index._local) == 0
     finally:
         await g.stop()
 

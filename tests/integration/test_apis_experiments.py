@@ -105,11 +105,15 @@ async def test_shadow_copies_in_each_apis_form_compared_on_their_text(api_engine
         assert x.agreement["candidate"].exact == 4
         assert sorted(x.agreement["candidate"].prefix_tokens.values) == [0.0, 0.0, 5.0, 5.0]  # streams: 5 tokens
 
-        # A request that continues a stored response has no meaning to the candidate: no copy.
-        first = await oai.responses.create(model=MODEL, input="hi")
+        # A request that continues a stored response is expanded by the gateway first: its copy is the whole
+        # conversation, which means the same to the candidate, and asks it to keep nothing.
+        first = await oai.responses.create(model=MODEL, input="hi first")
         await oai.responses.create(model=MODEL, input="more", previous_response_id=first.id)
-        await until(lambda: len(copies()) == 9, timeout=5)  # the first one's copy only
-        assert x.shadow_counts["candidate", "sent"] == 9
+        await until(lambda: len(copies()) == 10, timeout=5)
+        assert x.shadow_counts["candidate", "sent"] == 10
+        last = copies()[-1][3]
+        assert b"hi first" in last and b"more" in last and b'"store":false' in last
+        assert b"previous_response_id" not in last
     finally:
         await oai.close()
         await claude.close()

@@ -63,6 +63,8 @@ async def test_check_reports_each_backend_and_exits_1_with_some_down_or_lacking_
         "  model m: not checked; context window: unknown",
         f"backend loading: engine llamacpp, url {loading.url}",
         "  reachable; health: HTTP 503",  # answers, not ready: no body to say why
+        f"    fix: GET {loading.url}/health answered HTTP 503: the engine runs but is not ready (loading its model?); "
+        "serve keeps probing it and routes to it once it is",
         "  engine lists: unknown (HTTP 503)",
         "  model m: not checked; context window: unknown",
         f"backend sim-v: engine vllm, url {vllm.url}",
@@ -79,6 +81,8 @@ async def test_check_reports_each_backend_and_exits_1_with_some_down_or_lacking_
         "    fix: start the engine with --alias any, or map it in [[backends]] models",
         f"backend down: engine sglang, url http://127.0.0.1:{dead}",
         f"  unreachable: connect failed: [Errno 111] Connect call failed ('127.0.0.1', {dead})",
+        f"    fix: tried GET http://127.0.0.1:{dead}/health; nothing accepts connections at 127.0.0.1:{dead}: start "
+        "the engine, or check its --host/--port and url in [[backends]] down",
     ]
     assert lines[-1].startswith("4 of 5 backends answered, 3 healthy; the configuration is valid")
     assert lines[-1].endswith("; not listed by their engine: sim-v/ghost, sim-l/any")
@@ -111,6 +115,60 @@ async def test_check_exits_1_when_every_engine_lacks_the_model_and_never_says_al
     assert "all healthy" not in out
     assert allowed[0] == 0 and allowed[1].splitlines()[:-1] == lines[:-1]
     assert allowed[1].splitlines()[-1] == lines[-1].removesuffix(" (exit status 1; --allow-missing accepts this)")
+
+
+async def test_check_suggests_the_engines_near_name_and_says_what_to_check_when_nothing_answers(tmp_path):
+    engine = await start_sim(SimOptions(engine="vllm"))
+    dead = free_port()
+    path = write_config(tmp_path, {**OPEN, "backends": [
+        {"id": "vllm-0", "engine": "vllm", "url": engine.url, "models": [engine.model.upper()]},
+        {"id": "nowhere", "engine": "sglang", "url": "http://no-such-host.invalid:30000", "models": ["m"]},
+        {"id": "down", "engine": "vllm", "url": f"http://127.0.0.1:{dead}", "models": ["m"]},
+    ]})
+    try:
+        status, out, err = await shapegate("check", "--config", str(path), "--timeout", "5")
+    finally:
+        await engine.close()
+    assert status == 1 and "Traceback" not in err, err
+    lines = out.splitlines()
+    model_line = next(i for i, line in enumerate(lines) if line.startswith(f"  model {engine.model.upper()}: NOT listed"))
+    fix = lines[model_line + 1]
+    assert fix == (f"    fix: the engine lists {engine.model!r}: did you mean it? Write models = "
+                   f"{{ \"{engine.model.upper()}\" = \"{engine.model}\" }} in [[backends]] (no engine restart), or "
+                   f"start the engine with --served-model-name {engine.model.upper()}")
+    nowhere = lines[lines.index("backend nowhere: engine sglang, url http://no-such-host.invalid:30000") + 2]
+    assert nowhere.startswith("    fix: tried GET http://no-such-host.invalid:30000/health; ")
+    assert "does not resolve" in nowhere or "did not answer in time" in nowhere, nowhere
+    down = lines[lines.index(f"backend down: engine vllm, url http://127.0.0.1:{dead}") + 2]
+    assert down.startswith(f"    fix: tried GET http://127.0.0.1:{dead}/health; nothing accepts connections")
+
+
+async def test_every_configuration_error_at_once_by_check_serve_and_reload(tmp_path):
+    good = {**OPEN, "backends": [{"id": "vllm-0", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]}]}
+    bad = {**OPEN, "server": {"prot": 8080}, "routing": {"policy": "least_loded"},
+           "backends": [{"id": "vllm-0", "engine": "vllm", "url": "http://127.0.0.1:1", "models": ["m"]},
+                        {"id": "llama-0", "engine": "llamacpp", "url": "127.0.0.1:8081", "models": ["m"],
+                         "max_contex": 4096}]}
+    expected = ("shapegate: invalid configuration:\n"
+                "  server.prot: unknown key (did you mean `port`?)\n"
+                "  backends[llama-0].url: must start with http:// or https://\n"
+                "  backends[llama-0].max_contex: unknown key (did you mean `max_context`?)\n"
+                "  routing.policy: unknown routing policy 'least_loded' (did you mean `least_loaded`?); expected one "
+                "of least_loaded, prefix_affinity, round_robin, shape\n")
+    path = write_config(tmp_path, bad)
+    for command in ("check", "serve"):
+        assert await shapegate(command, "--config", str(path)) == (2, "", expected)
+    # A running gateway's reload refuses the same file with the same lines.
+    write_config(tmp_path, good)
+    from gateway.ops.reload import Reloader
+    g = await start_gateway(gateway_config(good["backends"]), wait_ready=False)
+    try:
+        write_config(tmp_path, bad)
+        with pytest.raises(Exception) as e:
+            Reloader(g.state, path).reload()
+        assert "shapegate: " + str(e.value) + "\n" == expected
+    finally:
+        await g.stop()
 
 
 async def test_check_of_a_healthy_portfolio(tmp_path):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import openai
 
@@ -25,6 +28,18 @@ async def test_demo_serves_the_printed_snippet():
         text = out.getvalue()
         key = re.search(r"API key : (\S+)", text).group(1)
         assert f"http://127.0.0.1:{port}" in text and "curl" in text and "from openai import OpenAI" in text
+        key_file = re.search(r"kept in : (\S+)", text).group(1)
+        header_file = re.search(r"-H @(\S+)", text).group(1)
+        assert Path(key_file).read_text() == key + "\n"
+        assert Path(header_file).read_text() == f"Authorization: Bearer {key}\n"
+        assert oct(os.stat(key_file).st_mode & 0o777) == "0o600" and oct(os.stat(header_file).st_mode & 0o777) == "0o600"
+        # The key appears once, on its own line; no command the demo prints carries it (ps shows command lines).
+        assert [line for line in text.splitlines() if key in line] == [re.search(r".*API key : .*", text).group(0)]
+        if shutil.which("curl"):  # the printed curl, as printed (the key read from the header file)
+            command = text.split("curl:\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
+            proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE)
+            reply = (await asyncio.wait_for(proc.communicate(), 30))[0]
+            assert b'"error"' not in reply or b"invalid_api_key" not in reply, reply
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=3) as c:
             models = sorted(m.id for m in (await c.models.list()).data)
             assert models == sorted([MODEL, SECOND_MODEL])
@@ -42,6 +57,7 @@ async def test_demo_serves_the_printed_snippet():
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+    assert not os.path.exists(key_file)  # gone with the demo
 
 
 async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
@@ -56,7 +72,7 @@ async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
         text = out.getvalue()
         key = re.search(r"API key : (\S+)", text).group(1)
         url = f"http://127.0.0.1:{port}"
-        assert f"shapegate ab --url {url} --admin-key {key}" in text
+        assert f"shapegate ab --url {url}   (the key from SHAPEGATE_ADMIN_KEY" in text and "--admin-key" not in text
         arms = {}
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=3) as c:
             for i in range(60):
@@ -73,7 +89,7 @@ async def test_the_readme_ab_walkthrough_on_the_demo(tmp_path):
                 arms[f"user-{i}"] = raw.headers["x-shapegate-arm"]
         assert set(arms.values()) == {"vllm", "sglang"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.cli", "ab", "--url", url, "--admin-key", key,
+            sys.executable, "-m", "gateway.cli", "ab", "--url", url, env={**os.environ, "SHAPEGATE_ADMIN_KEY": key},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
         table = stdout.decode()

@@ -8,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -107,3 +108,76 @@ async def test_the_example_adapter_serves_behind_a_gateway():
         del backends.REGISTRY["example"]
         del sys.modules["backends.example"]
         await runner.cleanup()
+
+
+async def test_the_example_api_is_one_module_and_one_registry_line(tmp_path):
+    """The guide's two changes, made in a copy of the tree: the module, and the registry line. A gateway run from
+    the copy routes the new route to the model's engine, with keys, the route's name in the metrics, and a 404 from
+    an engine without it learned."""
+    from deploy.compile import copy_tree
+
+    tree = tmp_path / "tree"
+    copy_tree(tree)
+    (tree / "gateway/apis/tokenize.py").write_text(python_blocks()[2])
+    registry = tree / "gateway/apis/registry.py"
+    text = registry.read_text()
+    text = text.replace("from gateway.apis import audio,", "from gateway.apis import audio, tokenize,", 1)
+    text = text.replace("    audio.TRANSCRIPTIONS, audio.TRANSLATIONS,\n",
+                        "    audio.TRANSCRIPTIONS, audio.TRANSLATIONS,\n    tokenize.TOKENIZE,\n", 1)
+    assert "tokenize.TOKENIZE" in text and "import audio, tokenize" in text
+    registry.write_text(text)
+
+    seen: list[dict] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        return web.json_response({"tokens": list(range(len(body["prompt"].split()))), "count": 0})
+
+    with_it, without = make_app(Knobs()), make_app(Knobs())
+    with_it.router.add_post("/tokenize", tokenize)
+    runners = []
+    for app in (with_it, without):
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        runners.append(runner)
+    ports = [free_port(), free_port()]
+    for runner, port in zip(runners, ports):
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    from tests.procs import write_config
+    cfg = gateway_config([{"id": n, "engine": "vllm", "url": f"http://127.0.0.1:{p}", "models": ["m"]}
+                          for n, p in zip(("with", "without"), ports)], routing={"policy": "round_robin"})
+    path = write_config(tmp_path, cfg)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port), cwd=tree,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env={**__import__("os").environ, "PYTHONPATH": str(tree)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(300):
+                try:
+                    async with s.get(url + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            auth = {"Authorization": f"Bearer {USER_KEY}"}
+            for _ in range(4):
+                async with s.post(url + "/tokenize", json={"model": "m", "prompt": "a b c"}, headers=auth) as r:
+                    assert r.status == 200 and (await r.json())["tokens"] == [0, 1, 2]
+                    assert r.headers["x-shapegate-backend"] == "with"
+            async with s.post(url + "/tokenize", json={"model": "m"}, headers=auth) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+            async with s.post(url + "/tokenize", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 401
+            async with s.get(url + "/metrics") as r:
+                assert 'route="tokenize"' in await r.text()
+        assert len(seen) == 4
+    finally:
+        proc.terminate()
+        await proc.wait()
+        for runner in runners:
+            await runner.cleanup()

@@ -18,6 +18,7 @@ from gateway.keys.principal import hash_key
 from gateway.limits.buckets import REQUESTS, Need
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.observe.metrics import Metrics
+from gateway.apis.chat import CHAT
 from gateway.routing.shape import classify
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
@@ -49,7 +50,7 @@ def ask(content: str = "hi", **kw) -> dict:
 
 def reserved(body: dict) -> int:
     """What the gateway reserves for `body`: its prompt estimate and max_tokens (the same pure function it uses)."""
-    s = classify(route="chat", body=body, session=None, principal="user", cfg=ShapeConfig(), want_prefix=False)
+    s = classify(api=CHAT, body=body, session=None, principal="user", cfg=ShapeConfig(), want_prefix=False)
     return s.prompt_tokens + s.output_tokens
 
 

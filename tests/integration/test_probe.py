@@ -1,30 +1,39 @@
-"""`shapegate probe` against simulators, dead and hostile engines; `[probe] at_start` keeping a model off a backend."""
+"""`shapegate probe` and GET /admin/probe against simulators, dead, slow and hostile engines; docs/apis.md's matrix
+against the simulator; `[probe] at_start` keeping a model off a backend."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from http.cookies import SimpleCookie
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from benchmarks.loopback import free_port
+from gateway.config_experiments import PROBE_APIS, PROBE_FEATURES
+from gateway.dashboard import COOKIE_NAME
 from gateway.config_experiments import PROBE_CHECKS as CHECKS
+from gateway.ops import admin_probe
 from gateway.sim.runner import SimOptions, start_sim
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.kit import until
 from tests.procs import shapegate, write_config
 from tests.raw_engine import MiB, RawEngine, bad_chunk, head
+from tests.support_matrix import documented
 
 OPEN = {"auth": {"enabled": False}}
-# What the simulator does with each check (its real behaviour: it serves n=1 only, forces tool calls and schemas,
-# gives no logprobs, and its SGLang serves no Messages API); its tiny profiles hold 4,096 tokens, llama.cpp's 2,048
-# per slot.
-SIM_VERDICTS = {"answers": "yes", "chat": "yes", "completions": "yes", "stream": "yes", "stream_usage": "yes",
-                "n": "no", "tools": "yes", "json_schema": "yes", "logprobs": "no", "responses": "yes",
-                "messages": "yes", "context": "yes"}
+# What the simulator does with each chat feature (its real behaviour: it serves n=1 only, forces tool calls and
+# schemas, gives no logprobs); its tiny profiles hold 4,096 tokens, llama.cpp's 2,048 per slot. Its APIs are
+# docs/apis.md's matrix, checked by test_the_documented_matrix_is_what_the_probe_finds_on_each_simulator.
+SIM_FEATURES = {"answers": "yes", "chat": "yes", "completions": "yes", "stream": "yes", "stream_usage": "yes",
+                "n": "no", "tools": "yes", "json_schema": "yes", "logprobs": "no", "context": "yes"}
 SIM_WINDOWS = {"vllm": 4096, "sglang": 4096, "llamacpp": 2048}
+# The checks that ask the engine something (conversations is the gateway's own).
+ASKED = [c for c in CHECKS if c != "conversations"]
 
 
 def verdicts(row: dict) -> dict[str, str]:
@@ -59,18 +68,27 @@ async def test_json_matrix_of_a_simulator_portfolio(sims, tmp_path):
         ("m", "sim-model", "sim-v", "vllm"), ("m", "sim-model", "sim-s", "sglang"),
         ("m", "any-name", "sim-l", "llamacpp"), ("ghost", "ghost", "sim-v", "vllm")]
     for row in rows[:3]:
-        expected = {**SIM_VERDICTS, "messages": "no"} if row["engine"] == "sglang" else SIM_VERDICTS
-        assert verdicts(row) == expected, row
+        got = verdicts(row)
+        assert {c: got[c] for c in SIM_FEATURES} == SIM_FEATURES, row
+        assert got["conversations"] == "gateway"
         checks = row["checks"]
         assert set(checks["chat"]) == {"verdict", "reason"} and checks["chat"]["reason"] == ""
-        assert checks["n"]["reason"] == "HTTP 400: the simulator serves n=1 only"
+        assert checks["n"] == {"verdict": "no", "reason": "HTTP 400: the simulator serves n=1 only", "status": 400}
         assert checks["logprobs"]["reason"] == "no logprobs content in the reply"
-        if row["engine"] == "sglang":
-            assert checks["messages"]["reason"].startswith("HTTP 404")
         assert checks["context"]["window"] == SIM_WINDOWS[row["engine"]]
         assert "refused as too long" in checks["context"]["reason"]
+    vllm, sglang, llama = (r["checks"] for r in rows[:3])
+    assert vllm["score"] == {"verdict": "no", "reason": "HTTP 404: Not Found", "status": 404}
+    assert vllm["response_store"] == {"verdict": "no", "status": 404,
+                                      "reason": "GET: HTTP 404: Response with id '{id}' not found."}
+    assert sglang["messages"]["reason"] == "HTTP 404: Not Found"
+    assert sglang["response_store"] == {"verdict": "partial", "status": 405,
+                                        "reason": "GET served; DELETE: HTTP 405: Method Not Allowed"}
+    assert llama["rerank"] == {"verdict": "no", "status": 501, "reason": "HTTP 501: This server does not support "
+                                                                          "reranking. Start it with `--reranking`"}
     ghost = rows[3]["checks"]
     assert ghost.pop("answers") == {"verdict": "yes", "reason": ""}  # the engine answers; it lacks the model
+    assert ghost.pop("conversations")["verdict"] == "gateway"
     assert {c["verdict"] for c in ghost.values()} == {"no"}
     assert ghost["chat"]["reason"] == "HTTP 404: The model `ghost` does not exist."
 
@@ -82,11 +100,15 @@ async def test_table_and_exit_status_follow_the_required_checks(sims, tmp_path):
     status, out, err = await shapegate("probe", "--config", str(write_config(tmp_path, cfg)))
     assert status == 0, out + err
     lines = out.splitlines()
-    assert lines[0].split() == ["model", "backend", "engine", *CHECKS]
-    assert lines[1].split() == ["m", "(sim-model)", "sim-v", "vllm", "yes", "yes", "yes", "yes", "yes", "no",
-                                "yes", "yes", "no", "yes", "yes", "4096"]
-    assert lines[3].split()[-1] == "2048"
+    apis, features = lines.index("APIs:"), lines.index("chat features:")
+    assert lines[apis + 1].split() == ["model", "backend", "engine", "answers", *PROBE_APIS]
+    assert lines[apis + 2].split() == ["m", "(sim-model)", "sim-v", "vllm", "yes", "yes", "yes", "no", "(404)",
+                                       "yes", "no", "(404)", "yes", *["no", "(404)"] * 4, "gateway"]
+    assert lines[features + 1].split() == ["model", "backend", "engine", *PROBE_FEATURES]
+    assert lines[features + 2].split()[4:] == ["yes", "yes", "no", "(400)", "yes", "yes", "no", "4096"]
+    assert lines[features + 4].split()[-1] == "2048"
     assert "  m @ sim-v: n: no (HTTP 400: the simulator serves n=1 only)" in lines
+    assert "  m @ sim-v: embeddings, rerank, score, transcriptions, translations: no (HTTP 404: Not Found)" in lines
     assert lines[-1] == "required (chat, stream, stream_usage, context): passed on all 3 model-backend pairs"
 
     cfg["probe"] = {"require": ["chat", "n"]}
@@ -115,7 +137,7 @@ async def test_a_dead_backend_is_errors_and_exit_1_at_once(tmp_path):
     status, out, err = await shapegate("probe", "--config", str(path), "--json")
     assert status == 1 and time.monotonic() - started < 10, err
     (row,) = orjson.loads(out)["rows"]
-    assert set(verdicts(row).values()) == {"error"}
+    assert {verdicts(row)[c] for c in ASKED} == {"error"}
     assert row["checks"]["answers"]["reason"].startswith("connect failed: ")
     assert row["checks"]["context"]["reason"] == "not tried: the engine did not answer"
 
@@ -167,28 +189,35 @@ async def test_hostile_engines_give_errors_within_the_timeout(tmp_path):
         for e in engines.values():
             await e.stop()
     assert status == 1 and "Traceback" not in err, err
-    # The hung engine holds one check for the timeout, the rest are not tried; Python's start-up is the rest.
+    # The hung engine holds two checks (the concurrency) for the timeout, the rest are not tried; Python's
+    # start-up is the rest.
     assert took < 8, took
     rows = {r["backend"]: r["checks"] for r in orjson.loads(out)["rows"]}
+    tried = [c for c in ASKED if c not in ("answers", "context")]  # context first reads a window: none here
     for name, checks in rows.items():
         assert checks["answers"]["verdict"] == "yes"  # every GET gets an empty 200
         assert checks["context"]["verdict"] in ("unknown", "error"), (name, checks["context"])
+        assert checks["conversations"]["verdict"] == "gateway"
     garbage = rows["garbage"]
-    assert {garbage[c]["verdict"] for c in CHECKS[1:-1]} == {"error"}
+    assert {garbage[c]["verdict"] for c in tried} == {"error"}
     assert garbage["chat"]["reason"].startswith("malformed reply from the engine")
-    assert {rows["flood"][c]["verdict"] for c in CHECKS[1:-1]} == {"error"}
+    assert {rows["flood"][c]["verdict"] for c in tried} == {"error"}
     assert rows["flood"]["chat"]["reason"] == f"the reply is larger than {MiB} bytes"
     assert rows["flood"]["stream"]["reason"] == f"a stream of more than {MiB} bytes"
     hung = rows["hang"]
-    assert hung["chat"] == {"verdict": "error", "reason": "no whole reply within 1 s"}
-    assert {hung[c]["reason"] for c in CHECKS[2:]} == {"not tried: the engine timed out on chat"}
+    assert hung["chat"] == hung["completions"] == {"verdict": "error", "reason": "no whole reply within 1 s"}
+    assert {hung[c]["reason"] for c in tried[2:]} <= {"not tried: the engine timed out on chat",
+                                                     "not tried: the engine timed out on completions"}
     assert rows["not-json"]["chat"] == {"verdict": "error", "reason": "the reply is not JSON"}
     assert rows["not-json"]["stream"]["verdict"] == "no"  # a JSON reply to a streamed request
-    assert rows["rude"]["chat"] == {"verdict": "no",
+    assert rows["rude"]["chat"] == {"verdict": "no", "status": 400,
                                     "reason": "HTTP 400: ?[31mno? entry for key <key> X-Injected: 1"}
+    assert rows["rude"]["response_store"]["reason"] == (
+        "POST /v1/responses: HTTP 400: ?[31mno? entry for key <key> X-Injected: 1")
     assert SECRET not in out + table and "\x1b" not in table and "\x07" not in table
-    assert "  m @ rude: chat, completions, stream, stream_usage, n, tools, json_schema, logprobs, responses, " \
-           "messages: no (HTTP 400: ?[31mno? entry for key <key> X-Injected: 1)" in table.splitlines()
+    assert "  m @ rude: chat, completions, embeddings, responses, messages, rerank, score, transcriptions, " \
+           "translations, stream, stream_usage, n, tools, json_schema, logprobs: no (HTTP 400: ?[31mno? entry for " \
+           "key <key> X-Injected: 1)" in table.splitlines()
 
 
 # -- [probe] at_start --------------------------------------------------------------------------------------
@@ -232,3 +261,165 @@ async def test_at_start_stops_routing_a_model_where_it_fails_a_required_check(si
         assert rows["vllm"]["unsupported"] == vllm.unsupported and rows["llama"]["unsupported"] == {}
     finally:
         await gw.stop()
+
+
+# -- docs/apis.md ------------------------------------------------------------------------------------------
+async def test_the_documented_matrix_is_what_the_probe_finds_on_each_simulator(tmp_path):
+    rows = [r for r in documented().values() if r.sim_options() is not None]
+    assert {r.target for r in rows} >= {"vllm-sim", "sglang-sim", "llamacpp-sim"}
+    sims = [await start_sim(r.sim_options()) for r in rows]
+    try:
+        backends = [{"id": r.target, "engine": s.state.engine_name, "url": s.url, "models": ["sim-model"]}
+                    for r, s in zip(rows, sims)]
+        path = write_config(tmp_path, {**OPEN, "backends": backends})
+        status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "10")
+    finally:
+        for s in sims:
+            await s.close()
+    assert status == 0, err
+    probed = {r["backend"]: {api: cell_short(r["checks"][api]) for api in PROBE_APIS}
+              for r in orjson.loads(out)["rows"]}
+    for r in rows:
+        assert probed[r.target] == r.cells, f"docs/apis.md's row {r.target} differs from the probe's"
+
+
+def cell_short(cell: dict) -> str:
+    """A cell of the JSON report written as the matrix writes it (Cell.short)."""
+    return f"{cell['verdict']} ({cell['status']})" if "status" in cell else cell["verdict"]
+
+
+# -- GET /admin/probe ----------------------------------------------------------------------------------------
+async def get_probe(url: str, headers: dict[str, str]) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/admin/probe", headers=headers) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def test_admin_probe_reports_as_the_cli_does_and_is_no_client_traffic(sims, tmp_path):
+    backends = sim_backends(sims)
+    gw = await start_gateway(gateway_config(backends, probe={"require": ["chat", "embeddings"]}))
+    try:
+        assert (await get_probe(gw.url, {}))[0] == 401
+        assert (await get_probe(gw.url, {"Authorization": f"Bearer {USER_KEY}"}))[0] == 403
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        # Two at once share one run: the engine sees as many requests as one more run alone brings.
+        served = sims["vllm"].state.tel
+        before = served.requests_total
+        (s1, report), (s2, again) = await asyncio.gather(get_probe(gw.url, admin), get_probe(gw.url, admin))
+        pair = served.requests_total - before
+        await get_probe(gw.url, admin)
+        assert pair == served.requests_total - before - pair > 0
+        async with aiohttp.ClientSession(headers=admin) as http:
+            async with http.get(gw.url + "/stats") as r:
+                stats = await r.json()
+            async with http.get(gw.url + "/metrics") as r:
+                metrics = await r.text()
+        pool = gw.state.pool
+        unserved = {b.id: dict(b.unserved) for b in pool.all()}
+        # The dashboard's sign-in cookie opens it too, as it opens /stats.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            async with http.post(gw.url + "/dashboard/login", data={"key": ADMIN_KEY}, allow_redirects=False) as r:
+                token = SimpleCookie(r.headers.getall("Set-Cookie")[0])[COOKIE_NAME].value
+        signed_in_status, _ = await get_probe(gw.url, {"Cookie": f"{COOKIE_NAME}={token}"})
+    finally:
+        await gw.stop()
+    assert (s1, s2, signed_in_status) == (200, 200, 200) and report == again
+    path = write_config(tmp_path, {**OPEN, "probe": {"require": ["chat", "embeddings"]}, "backends": backends})
+    _, out, _ = await shapegate("probe", "--config", str(path), "--json")
+    cli = orjson.loads(out)
+    assert report.pop("budget_s") == 50.0
+    assert report["checks"] == cli["checks"] and report["require"] == cli["require"] == ["chat", "embeddings"]
+    assert report["passed"] is False  # no simulator serves embeddings by default
+    assert [{k: v for k, v in r.items() if k != "checks"} for r in report["rows"]] == [
+        {k: v for k, v in r.items() if k != "checks"} for r in cli["rows"]]
+    for mine, theirs in zip(report["rows"], cli["rows"]):
+        assert {c: v["verdict"] for c, v in mine["checks"].items()} == {
+            c: v["verdict"] for c, v in theirs["checks"].items()}
+    # Nothing of it reached the request path: no request counted, no route learned as unserved.
+    assert stats["totals"]["requests"] == 0 and all(b["overall"]["requests"] == 0 for b in stats["backends"])
+    assert "shapegate_requests_total{" not in metrics
+    assert unserved == {"sim-v": {}, "sim-s": {}, "sim-l": {}}
+
+
+async def test_admin_probe_ends_within_its_budget(monkeypatch):
+    hung = await RawEngine().start()
+    hung.set(hang)
+    monkeypatch.setattr(admin_probe, "BUDGET_S", 1.5)
+    gw = await start_gateway(gateway_config([{"id": "hung", "engine": "openai", "url": hung.url, "models": ["m"]}],
+                                            probe={"timeout_s": 30, "concurrency": 1}))
+    try:
+        started = time.monotonic()
+        status, report = await get_probe(gw.url, {"Authorization": f"Bearer {ADMIN_KEY}"})
+        took = time.monotonic() - started
+    finally:
+        await gw.stop()
+        await hung.stop()
+    assert status == 200 and took < 5, took
+    checks = report["rows"][0]["checks"]
+    assert checks["chat"] == {"verdict": "error", "reason": "no whole reply within 1.5 s"}
+    assert checks["completions"]["reason"] == "not tried: the engine timed out on chat"
+
+
+# -- concurrency and time ------------------------------------------------------------------------------------
+async def models_list(request: web.Request) -> web.Response:  # the health route of an "openai" engine
+    return web.json_response({"data": []})
+
+
+@contextlib.asynccontextmanager
+async def engine_app(handler):
+    """An "openai" engine on loopback whose every route but its health route is `handler`; yields its URL."""
+    app = web.Application()
+    app.router.add_get("/v1/models", models_list)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_checks_of_a_backend_run_at_most_concurrency_at_once(tmp_path, concurrency):
+    """An engine that takes 50 ms over every request: at most `concurrency` are ever inside it at once."""
+    inside, most = 0, 0
+
+    async def slow(request: web.Request) -> web.Response:
+        nonlocal inside, most
+        inside += 1
+        most = max(most, inside)
+        await request.read()
+        await asyncio.sleep(0.05)
+        inside -= 1
+        return web.json_response({"error": {"message": "no"}}, status=404)
+
+    async with engine_app(slow) as url:
+        path = write_config(tmp_path, {**OPEN, "probe": {"concurrency": concurrency}, "backends": [
+            {"id": "slow", "engine": "openai", "url": url, "models": ["a", "b"]}]})
+        status, out, err = await shapegate("probe", "--config", str(path), "--json")
+    assert status == 1 and "Traceback" not in err, err
+    assert most == concurrency
+    rows = orjson.loads(out)["rows"]
+    assert [r["checks"]["score"] for r in rows] == [{"verdict": "no", "reason": "HTTP 404: no", "status": 404}] * 2
+
+
+async def test_a_check_of_several_requests_has_the_timeout_for_all_of_them(tmp_path):
+    """Each request within the timeout, the stored-response check's three together not: the check times out."""
+    async def slow_store(request: web.Request) -> web.Response:
+        await request.read()
+        if request.path.startswith("/v1/responses"):
+            await asyncio.sleep(0.7)
+            return web.json_response({"id": "resp_1", "object": "response", "output": []})
+        return web.json_response({"error": {"message": "no"}}, status=404)
+
+    async with engine_app(slow_store) as url:
+        path = write_config(tmp_path, {**OPEN, "probe": {"concurrency": 1}, "backends": [
+            {"id": "slow", "engine": "openai", "url": url, "models": ["m"]}]})
+        status, out, err = await shapegate("probe", "--config", str(path), "--json", "--timeout", "1")
+    assert status == 1 and "Traceback" not in err, err
+    (row,) = orjson.loads(out)["rows"]
+    checks = row["checks"]
+    assert checks["responses"] == {"verdict": "yes", "reason": ""}  # one request of 0.7 s: within the second
+    assert checks["response_store"] == {"verdict": "error", "reason": "no whole reply within 1 s"}
+    assert checks["messages"]["reason"] == "not tried: the engine timed out on response_store"

@@ -10,6 +10,7 @@ import redis.asyncio as redis_asyncio
 
 from gateway.config import ShapeConfig
 from gateway.routing.affinity import AffinityIndex, MemoryStore, RedisStore, StoreError
+from gateway.apis.chat import CHAT
 from gateway.routing.shape import classify
 from tests.needs import REDIS_URL, redis_up, skip_or_fail
 
@@ -39,7 +40,7 @@ async def store(request):
 
 def shape(text: str, session: str | None = None):
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 10}
-    return classify(route="chat", body=body, session=session, principal="p",
+    return classify(api=CHAT, body=body, session=session, principal="p",
                     cfg=CFG)
 
 

@@ -14,7 +14,8 @@ MESSAGES = {"model": "sim-model", "max_tokens": 20, "stream": True,
 
 
 async def test_injected_errors_in_each_api_shape(sim, http):
-    server = await sim("vllm", faults=FaultSpec(error_rate=1.0, error_status=503, retry_after_s=3))
+    server = await sim("vllm", faults=FaultSpec(error_rate=1.0, error_status=503, retry_after_s=3),
+                       serves=frozenset({"transcriptions"}))
     async with http.post(server.url + "/v1/messages", json=MESSAGES) as resp:
         assert resp.status == 503 and resp.headers["Retry-After"] == "3"
         body = await resp.json()

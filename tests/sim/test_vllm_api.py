@@ -157,7 +157,7 @@ async def test_text_completion_stream(sim, http):
 
 
 async def test_embeddings_are_deterministic(sim, http):
-    server = await sim("vllm")
+    server = await sim("vllm", serves=frozenset({"embeddings"}))
     body = {"model": "sim-model", "input": ["a", "b"]}
     async with http.post(server.url + "/v1/embeddings", json=body) as resp:
         first = await resp.json()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.apis import audio, table
-from gateway.apis.bodies import parse_body
+from gateway.apis import audio, conversations, messages, responses
+from gateway.apis.registry import ALL, BY_NAME, ENGINE_APIS, api_of
 from gateway.errors import GatewayError
 from gateway.routing.relay import usage_of
-from gateway.routing.shape import prompt_text, requested_output, session_of
+from gateway.routing.shape import prompt_text, session_of
 from gateway.routing.typed_relay import first_event_error
 
 HOSTILE = [
@@ -28,13 +28,17 @@ HOSTILE = [
     ("score", b'{"model":"m","text_1":"a"}', 400, "text_1"),
     ("messages", b'[1,2]', 400, None),
     ("responses", b'{"input":"x"}', 400, "model"),
+    ("responses", b'{"model":"m","input":"x","previous_response_id":"resp_1","conversation":"conv_1"}', 400,
+     "conversation"),
+    ("responses", b'{"model":"m","input":"x","conversation":{"id":"../x"}}', 400, "conversation"),
+    ("responses", b'{"model":"m","input":"x","conversation":5}', 400, "conversation"),
 ]
 
 
 @pytest.mark.parametrize("route,raw,status,param", HOSTILE)
 def test_hostile_bodies_are_refused_naming_the_field(route, raw, status, param):
     with pytest.raises(GatewayError) as e:
-        parse_body(raw, route)
+        BY_NAME[route].parse(raw, {})
     assert e.value.status == status and e.value.param == param
     assert "../x" not in e.value.message
 
@@ -46,39 +50,55 @@ def test_deeply_nested_tool_input_is_a_400():
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": deep}]}]}
     with pytest.raises(GatewayError) as e:
-        prompt_text("messages", body)
+        prompt_text(messages.MESSAGES, body)
     assert e.value.status == 400 and e.value.param == "messages"
     with pytest.raises(GatewayError):
-        prompt_text("responses", {"model": "m", "input": "x", "tools": [deep]})
+        prompt_text(responses.CREATE, {"model": "m", "input": "x", "tools": [deep]})
 
 
 def test_routes_of_paths_and_ids():
-    assert table.route_of("/v1/responses") == "responses"
-    assert table.route_of("/v1/responses/resp_ab-12") == "response"
-    assert table.route_of("/v1/responses/resp_ab/cancel") == "response_cancel"
-    assert table.route_of("/v2/rerank") == table.route_of("/rerank") == "rerank"
+    name = {p: (a.name if (a := api_of(p)) is not None else None) for p in (
+        "/v1/responses", "/v1/responses/resp_ab-12", "/v1/responses/resp_ab/cancel", "/v1/responses/resp_ab/input_items",
+        "/v1/responses/input_tokens", "/v2/rerank", "/rerank", "/v1/conversations", "/v1/conversations/conv_1",
+        "/v1/conversations/conv_1/items", "/v1/conversations/conv_1/items/msg_2")}
+    assert name == {"/v1/responses": "responses", "/v1/responses/resp_ab-12": "response",
+                    "/v1/responses/resp_ab/cancel": "response_cancel",
+                    "/v1/responses/resp_ab/input_items": "response_input_items",
+                    "/v1/responses/input_tokens": "responses_input_tokens", "/v2/rerank": "rerank", "/rerank": "rerank",
+                    "/v1/conversations": "conversations", "/v1/conversations/conv_1": "conversation",
+                    "/v1/conversations/conv_1/items": "conversation_items",
+                    "/v1/conversations/conv_1/items/msg_2": "conversation_item"}
     for bad in ("/v1/responses/a b", "/v1/responses/", "/v1/responses/x/y", "/v1/responses/" + "a" * 129,
-                "/v1/responses/%2e%2e", "/v1/responses/x/cancel/more"):
-        assert table.route_of(bad) is None
-    assert table.allows("response", "DELETE") and not table.allows("response", "POST")
-    assert table.response_id_in("/v1/responses/resp_1/cancel") == "resp_1"
+                "/v1/responses/%2e%2e", "/v1/responses/x/cancel/more", "/v1/conversations/", "/v1/conversations/a/b",
+                "/v1/conversations/c/items/i/more"):
+        assert api_of(bad) is None, bad
+    assert responses.RETRIEVE.allows("DELETE") and not responses.RETRIEVE.allows("POST")
+    assert responses.CANCEL.response_id("/v1/responses/resp_1/cancel") == "resp_1"  # type: ignore[attr-defined]
+
+
+def test_every_route_has_one_name_and_the_engine_routes_an_engine_path():
+    assert len({a.name for a in ALL}) == len(ALL)
+    assert {a.name for a in ALL if a.local} == {"response_input_items", "conversations", "conversation",
+                                                "conversation_items", "conversation_item"}
+    assert all(BY_NAME[n].upstream.startswith("/") for n in ENGINE_APIS)
+    assert conversations.ITEM.allows("DELETE") and not conversations.CREATE.allows("GET")
 
 
 def test_prompt_output_and_session_of_each_api():
     body = {"model": "m", "instructions": "be brief", "max_output_tokens": 40, "previous_response_id": "resp_1",
             "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
                       {"type": "function_call_output", "call_id": "c", "output": "42"}]}
-    text, n = prompt_text("responses", body)
+    text, n = prompt_text(responses.CREATE, body)
     assert "be brief" in text and "hello" in text and "42" in text and n == 2
-    assert requested_output(body, "responses") == 40
-    assert session_of(body, {}, "responses") == "resp_1"
+    assert responses.CREATE.requested_output(body) == 40
+    assert session_of(responses.CREATE, body, {}) == "resp_1"
     msg = {"model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "sys"}], "metadata": {"user_id": "u"},
            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                       {"type": "tool_result", "content": "res"}]}]}
-    text, n = prompt_text("messages", msg)
+    text, n = prompt_text(messages.MESSAGES, msg)
     assert "sys" in text and "hi" in text and "res" in text and n == 2
-    assert requested_output(msg, "messages") == 9 and session_of(msg, {}, "messages") == "u"
-    assert session_of(msg, {"x-session-id": "h"}, "messages") == "h"
+    assert messages.MESSAGES.requested_output(msg) == 9 and session_of(messages.MESSAGES, msg, {}) == "u"
+    assert session_of(messages.MESSAGES, msg, {"x-session-id": "h"}) == "h"
 
 
 def test_usage_in_each_apis_names():
@@ -94,8 +114,9 @@ FORM = (b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r
 
 
 def test_forms_read_only_their_small_fields():
-    assert audio.check('multipart/form-data; boundary=XyZ', FORM) == {"model": "whisper"}
-    assert audio.with_form_model(FORM, "native").count(b"native") == 1
+    fields = audio.check('multipart/form-data; boundary=XyZ', FORM)
+    assert {k: v for k, v in fields.items() if k != audio.FORM_KEY} == {"model": "whisper"}
+    assert fields[audio.FORM_KEY].encode("native").count(b"native") == 1
     for ctype, raw in (("application/json", FORM), ("multipart/form-data", FORM),
                        ("multipart/form-data; boundary=XyZ", FORM.replace(b"whisper", b"")),
                        ("multipart/form-data; boundary=XyZ", FORM.split(b"--XyZ\r\nContent-Disposition: form-data; "
@@ -106,7 +127,7 @@ def test_forms_read_only_their_small_fields():
         assert e.value.status == 400
     huge = FORM.replace(b"whisper", b"w" * (audio.FIELD_LIMIT + 1))
     with pytest.raises(GatewayError):
-        audio.check("multipart/form-data; boundary=XyZ", huge)  # a field past the limit is not read as the model
+        audio.check("multipart/form-data; boundary=XyZ", huge)  # a model field past the limit is refused
 
 
 def test_a_typed_stream_that_opens_with_an_error():

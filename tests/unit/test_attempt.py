@@ -58,7 +58,7 @@ def backend(reply: Reply) -> SimpleNamespace:
 
 async def copy(reply: Reply, stream: bool = True):
     call = UpstreamCall("/v1/chat/completions", b"{}", {}, stream)
-    return await _measure(backend(reply), call, shape(stream), UpstreamConfig())  # type: ignore[arg-type]
+    return await _measure(backend(reply), call, shape(stream), UpstreamConfig(), None)  # type: ignore[arg-type]
 
 
 async def relayed(chunks: list[bytes]) -> StreamMeter:

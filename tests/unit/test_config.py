@@ -15,7 +15,7 @@ OPEN = {"auth": {"enabled": False}, "backends": [BACKEND]}
 def test_unknown_key_rejected_with_its_path():
     with pytest.raises(ConfigError) as ei:
         parse_config({"auth": {"enabled": False}, "backends": [{**BACKEND, "urll": "x"}]}, build_policy)
-    assert "backends.0.urll: unknown key" in str(ei.value)
+    assert "backends[a].urll: unknown key (did you mean `url`?)" in str(ei.value)
     with pytest.raises(ConfigError) as ei:
         parse_config({"auth": {"enabled": False}, "server": {"prot": 1}, "backends": [BACKEND]}, build_policy)
     assert "server.prot" in str(ei.value)
@@ -29,10 +29,10 @@ def test_auth_must_be_explicitly_disabled():
 
 
 @pytest.mark.parametrize("bad,where", [
-    ({"engine": "tgi"}, "backends.0.engine"),
-    ({"url": "ftp://x"}, "backends.0.url"),
-    ({"models": []}, "backends.0.models"),
-    ({"classes": ["huge"]}, "backends.0.classes"),
+    ({"engine": "tgi"}, "backends[a].engine"),
+    ({"url": "ftp://x"}, "backends[a].url"),
+    ({"models": []}, "backends[a].models"),
+    ({"classes": ["huge"]}, "backends[a].classes"),
 ])
 def test_invalid_backend_fields(bad, where):
     with pytest.raises(ConfigError) as ei:
@@ -81,7 +81,7 @@ def routing_errors(routing: dict) -> list[str]:
 
 def test_unknown_policy_names_its_field_and_the_known_ones():
     assert routing_errors({"policy": "least-loaded"}) == [
-        "routing.policy: unknown routing policy 'least-loaded'; "
+        "routing.policy: unknown routing policy 'least-loaded' (did you mean `least_loaded`?); "
         "expected one of least_loaded, prefix_affinity, round_robin, shape"]
     lines = routing_errors({"policy": "shape", "models": {"m": {"policy": "fastest"}}})
     assert lines == ["routing.models.m.policy: unknown routing policy 'fastest'; "
@@ -120,7 +120,7 @@ def test_placeholder_and_bad_digests_say_how_to_make_one():
     for digest, words in (("run-shapegate-keys-new-and-put-its-sha256-here", "placeholder"), ("abc", "64-character")):
         with pytest.raises(ConfigError) as ei:
             parse_config({"auth": {"keys": [{"id": "k", "sha256": digest}]}, "backends": [BACKEND]}, build_policy)
-        assert "auth.keys.0.sha256:" in str(ei.value) and words in str(ei.value)
+        assert "auth.keys[k].sha256:" in str(ei.value) and words in str(ei.value)
         assert "shapegate keys new" in str(ei.value) and "Value error" not in str(ei.value)
 
 

@@ -114,7 +114,7 @@ def test_the_example_holds_no_usable_key():
     with pytest.raises(ConfigError) as ei:
         load_config(EXAMPLE, build_policy)
     lines = str(ei.value).splitlines()[1:]
-    assert [line.split(":")[0].strip() for line in lines] == ["auth.keys.0.sha256", "auth.keys.1.sha256"]
+    assert [line.split(":")[0].strip() for line in lines] == ["auth.keys[team-a].sha256", "auth.keys[ops].sha256"]
     assert all("shapegate keys new" in line for line in lines)
     assert not re.search(r"\b[0-9a-f]{64}\b", EXAMPLE.read_text()), "a real digest in the example"
     assert "sk-" not in EXAMPLE.read_text(), "a plaintext key in the example"

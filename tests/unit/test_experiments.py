@@ -63,16 +63,16 @@ def test_subjects_by_key_session_user_and_header():
 
 
 @pytest.mark.parametrize("bad, where", [
-    (split(model="nope"), "experiments.0.model"),
-    (split(arms=[{"name": "a", "backends": ["e0"]}, {"name": "b", "backends": ["zz"]}]), "experiments.0.arms.1.backends"),
+    (split(model="nope"), "experiments[ab].model"),
+    (split(arms=[{"name": "a", "backends": ["e0"]}, {"name": "b", "backends": ["zz"]}]), "experiments[ab].arms[b].backends"),
     (split(arms=[{"name": "a", "backends": ["e0"], "weight": 0}, {"name": "b", "backends": ["e1"], "weight": 0}]),
      "at least one arm"),
     (split(arms=[{"name": "a", "backends": ["e0"], "weight": -1}, {"name": "b", "backends": ["e1"]}]),
-     "experiments.0.arms.0.weight"),
+     "experiments[ab].arms[a].weight"),
     (split(arms=[{"name": "a", "backends": ["e0"]}, {"name": "b", "backends": ["e0"]}]), "two arms"),
     (split(arms=[{"name": "a", "backends": ["e0"]}]), "two or more arms"),
-    (split(subject="cookie"), "experiments.0.subject"),
-    (split(mode="both"), "experiments.0.mode"),
+    (split(subject="cookie"), "experiments[ab].subject"),
+    (split(mode="both"), "experiments[ab].mode"),
 ])
 def test_bad_experiments_are_config_errors_with_the_fields_path(bad, where):
     with pytest.raises(ConfigError) as e:

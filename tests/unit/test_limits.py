@@ -16,6 +16,7 @@ from gateway.limits.limiter import Limiter, Reservation, build_plan, plan_lines,
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.limits.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
 from gateway.observe.metrics import Metrics
+from gateway.apis.registry import BY_NAME
 from gateway.routing.shape import classify
 
 
@@ -287,7 +288,7 @@ def test_reset_texts_are_durations():
 
 
 def shape_of(body: dict, route: str = "chat") -> RequestShape:
-    return classify(route=route, body=body, session=None, principal="k", cfg=ShapeConfig(), want_prefix=False)
+    return classify(api=BY_NAME[route], body=body, session=None, principal="k", cfg=ShapeConfig(), want_prefix=False)
 
 
 def test_a_request_reserves_its_prompt_once_and_its_output_for_each_choice():

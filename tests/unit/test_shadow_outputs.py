@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from gateway.apis.registry import BY_NAME
 from gateway.experiments.outputs import output_of
 from gateway.experiments.shadow import copyable
 
@@ -17,7 +18,7 @@ from gateway.experiments.shadow import copyable
     ("transcriptions", {}, False), ("response", {}, False),
 ])
 def test_a_copy_is_made_only_where_the_candidate_can_answer_alike(route, body, copied):
-    assert copyable(route, body) is copied
+    assert copyable(BY_NAME[route], body) is copied
 
 
 def _events(*objs: dict, typed: bool) -> bytes:
@@ -46,12 +47,12 @@ def _events(*objs: dict, typed: bool) -> bytes:
              {"type": "message_stop"}, typed=True)),
 ])
 def test_the_text_of_a_reply_in_each_apis_form(route, whole, stream):
-    assert output_of(orjson.dumps(whole), False, route) == ("hi there", None)
-    assert output_of(stream, True, route) == ("hi there", ["hi", " there"])
+    assert output_of(orjson.dumps(whole), False, BY_NAME[route]) == ("hi there", None)
+    assert output_of(stream, True, BY_NAME[route]) == ("hi there", ["hi", " there"])
 
 
 @pytest.mark.parametrize("data", [b"", b"[1, 2]", b'"x"', b"{not json", b'{"output": "x", "content": 3}'])
 def test_a_reply_of_another_form_has_no_text(data):
     for route in ("chat", "responses", "messages"):
-        assert output_of(data, False, route) == ("", None)
-        assert output_of(b"data: " + data + b"\n\n", True, route) == ("", [])
+        assert output_of(data, False, BY_NAME[route]) == ("", None)
+        assert output_of(b"data: " + data + b"\n\n", True, BY_NAME[route]) == ("", [])

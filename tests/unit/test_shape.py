@@ -6,8 +6,10 @@ import pytest
 
 from gateway.config import ShapeConfig
 from gateway.contracts import DEFAULT, INTERACTIVE, LONG_OUTPUT, LONG_PROMPT
-from gateway.routing.shape import (classify, prefix_hashes, prompt_size, prompt_text, requested_output, session_key,
-                                   session_of)
+from gateway.apis.chat import CHAT
+from gateway.apis.completions import COMPLETIONS
+from gateway.apis.registry import BY_NAME
+from gateway.routing.shape import classify, prefix_hashes, prompt_size, prompt_text, session_key, session_of
 
 CFG = ShapeConfig()  # long_prompt 768 tokens (and 2x the output), long_output 512, default output 256
 
@@ -17,7 +19,8 @@ def chat(text: str, **extra) -> dict:
 
 
 def shape_of(body: dict, route: str = "chat", headers: dict | None = None, **kw):
-    return classify(route=route, body=body, session=session_of(body, headers or {}), principal="p", cfg=CFG, **kw)
+    api = BY_NAME[route]
+    return classify(api=api, body=body, session=session_of(api, body, headers or {}), principal="p", cfg=CFG, **kw)
 
 
 WORDS_1000 = "abc " * 1000  # ~1,000 tokens at four characters each
@@ -72,14 +75,14 @@ def test_prompt_token_estimate(body, expected):
 ])
 def test_prompt_size_matches_prompt_text(body):
     """Without prefix hashing the prompt is only measured; the estimate must not change with that."""
-    text, n = prompt_text("chat", body)
-    assert prompt_size("chat", body) == (len(text), n)
+    text, n = prompt_text(CHAT, body)
+    assert prompt_size(CHAT, body) == (len(text), n)
     assert shape_of(body, want_prefix=False).prompt_tokens == shape_of(body, want_prefix=True).prompt_tokens
 
 
 def test_completions_prompt_and_list_prompt():
-    assert prompt_text("completions", {"prompt": "hello"}) == ("hello", 0)
-    assert prompt_text("completions", {"prompt": ["ab", "cd", 3]}) == ("abcd", 0)
+    assert prompt_text(COMPLETIONS, {"prompt": "hello"}) == ("hello", 0)
+    assert prompt_text(COMPLETIONS, {"prompt": ["ab", "cd", 3]}) == ("abcd", 0)
 
 
 @pytest.mark.parametrize("body,headers,expected", [
@@ -90,12 +93,12 @@ def test_completions_prompt_and_list_prompt():
     ({}, {}, None),
 ])
 def test_session_precedence(body, headers, expected):
-    assert session_of(body, headers) == expected
+    assert session_of(CHAT, body, headers) == expected
 
 
 def test_requested_output_ignores_non_positive():
-    assert requested_output({"max_tokens": 0, "n_predict": 5}) == 5
-    assert requested_output({"max_tokens": -1}) is None
+    assert CHAT.requested_output({"max_tokens": 0, "n_predict": 5}) == 5
+    assert CHAT.requested_output({"max_tokens": -1}) is None
 
 
 # -- prefix hashes -------------------------------------------------------------------------------------------

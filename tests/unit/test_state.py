@@ -9,6 +9,7 @@ import pytest
 from gateway.config import ShapeConfig
 from gateway.contracts import RequestShape
 from gateway.routing.affinity import AffinityIndex, MemoryStore, StoreError
+from gateway.apis.chat import CHAT
 from gateway.routing.shape import classify
 
 CFG = ShapeConfig()  # 256-character blocks: 64 tokens each
@@ -24,7 +25,7 @@ class FakeClock:
 
 def shape(text: str, model: str = "m", session: str | None = None) -> RequestShape:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True, "max_tokens": 10}
-    return classify(route="chat", body=body, session=session, principal="p",
+    return classify(api=CHAT, body=body, session=session, principal="p",
                     cfg=CFG)
 
 

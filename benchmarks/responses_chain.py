@@ -1,0 +1,170 @@
+"""A chained Responses turn beside a plain one of the same prompt: the gateway's CPU per request for a turn that
+names a 20-turn chain (`previous_response_id`, expanded by the gateway) and for the same whole conversation sent
+inline, both stored; and Redis's memory per stored turn. One gateway, one zero-delay engine, in one run.
+
+    python3 -m benchmarks.responses_chain [--turns 20] [--seconds 4] [--repeats 3] [--state memory|redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import uuid
+from pathlib import Path
+
+from benchmarks import kit
+
+LIMIT = 1.3  # the requirement: a chained turn's CPU per request within this multiple of the plain turn's
+OUT = kit.RESULTS / "responses_chain.md"
+
+
+def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(base + path, method=method, data=json.dumps(body).encode() if body else None,
+                                 headers={"Authorization": f"Bearer {kit.KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def build_chain(base: str, turns: int) -> tuple[str, list]:
+    """A chain of `turns` stored turns; its last id, and the whole input its next turn is expanded to (the chain's
+    items and outputs, as a client that keeps its own history would send them)."""
+    prev = None
+    for i in range(turns):
+        body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
+                "max_output_tokens": 16}
+        if prev:
+            body["previous_response_id"] = prev
+        prev = call(base, "POST", "/v1/responses", body)["id"]
+    items = call(base, "GET", f"/v1/responses/{prev}/input_items?order=asc&limit=100")["data"]
+    last = call(base, "GET", f"/v1/responses/{prev}")
+    history = [{k: v for k, v in it.items() if k not in ("id", "status")} for it in items + last["output"]]
+    return prev, history
+
+
+def redis_bytes_per_turn(base: str, prefix: str, turns: int) -> dict:
+    """Redis's used_memory before and after `turns` more stored turns of one chain, per turn."""
+    import redis
+    r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    before = r.info("memory")["used_memory"]
+    prev, sizes = None, []
+    for i in range(turns):
+        body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
+                "max_output_tokens": 16}
+        if prev:
+            body["previous_response_id"] = prev
+        prev = call(base, "POST", "/v1/responses", body)["id"]
+    after = r.info("memory")["used_memory"]
+    for key in r.scan_iter(match=f"{prefix}resp:*", count=1000):
+        sizes.append(r.strlen(key))
+    r.close()
+    sizes.sort()
+    return {"turns": turns, "used_memory_delta": after - before, "bytes_per_turn": (after - before) / turns,
+            "record_bytes_median": sizes[len(sizes) // 2] if sizes else 0, "records": len(sizes)}
+
+
+def measure(args) -> dict:
+    cond = {**kit.provenance(), "command": kit.command("benchmarks.responses_chain"), "turns": args.turns,
+            "seconds": args.seconds, "repeats": args.repeats, "state": args.state, "conc": args.conc,
+            "wrk": kit.wrk_version()}
+    if args.wait_quiet > 0:
+        cond["quiet_wait"] = kit.wait_quiet(args.wait_quiet)
+    procs: list[subprocess.Popen] = []
+    prefix = f"bench-{uuid.uuid4().hex[:8]}:"
+    state = (f'[state]\nbackend = "redis"\nkey_prefix = "{prefix}"\n' if args.state == "redis" else "")
+    points, memory = [], None
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        try:
+            engine = kit.start_engine(procs, "--chunks", "16")
+            cfg = kit.gateway_config(tmp / "bench.toml", engine, access_log=False, sections=state)
+            cfg.write_text(cfg.read_text().replace('engine = "openai"', 'engine = "vllm"'))
+            base, gw = kit.start_gateway(cfg, procs, **kit.QUIET)
+            last, history = build_chain(base, args.turns)
+            kinds = {
+                "chained": {"model": "bench", "input": "And one more?", "previous_response_id": last,
+                            "max_output_tokens": 16},
+                "plain": {"model": "bench", "input": [*history, {"role": "user", "content": "And one more?"}],
+                          "max_output_tokens": 16},
+            }
+            cond["bodies_bytes"] = {k: len(json.dumps(b)) for k, b in kinds.items()}
+            script = kit.wrk_script(tmp)
+            for body in kinds.values():  # warm both paths
+                kit.run_wrk(base + "/v1/responses", json.dumps(body), args.conc, 1.0, script)
+            names = list(kinds)
+            for rep in range(args.repeats):
+                order = names if rep % 2 == 0 else names[::-1]  # alternate: what runs first pays
+                for pos, kind in enumerate(order):
+                    c0 = kit.cpu_seconds(gw.pid)
+                    r = kit.run_wrk(base + "/v1/responses", json.dumps(kinds[kind]), args.conc, args.seconds, script)
+                    cpu = kit.cpu_seconds(gw.pid) - c0
+                    r.update(kind=kind, rep=rep, position=pos, cpu_per_req_us=cpu / max(r["requests"], 1) * 1e6,
+                             rps=r["requests"] / (r["duration_us"] / 1e6))
+                    points.append(r)
+                    print(json.dumps(r), flush=True)
+            if args.state == "redis":
+                memory = redis_bytes_per_turn(base, prefix, args.memory_turns)
+        finally:
+            kit.stop_all(procs)
+    cond["load_after"] = os.getloadavg()
+    return {"conditions": cond, "points": points, "redis_memory": memory}
+
+
+def report(run: dict) -> str:
+    pts, c = run["points"], run["conditions"]
+    by = {(p["kind"], p["rep"]): p for p in pts}
+    reps = sorted({p["rep"] for p in pts})
+    ratios = [by[("chained", r)]["cpu_per_req_us"] / by[("plain", r)]["cpu_per_req_us"] for r in reps]
+    lines = ["# A chained Responses turn beside a plain one", "",
+             f"{kit.run_line(c)}.", "",
+             f"One gateway (sources, `[state] backend = \"{c['state']}\"`) in front of `benchmarks/fast_engine.py` "
+             f"(zero delay, 16-token replies), wrk at c={c['conc']} for {c['seconds']} s per point, {c['repeats']} "
+             f"repeats, the order alternating. Both kinds are stored turns (`store` left at its default). "
+             f"**chained**: `previous_response_id` naming the last of a {c['turns']}-turn chain, which the gateway "
+             f"expands ({c['bodies_bytes']['chained']} bytes sent); **plain**: the same conversation inline "
+             f"({c['bodies_bytes']['plain']} bytes sent).", "",
+             "| kind | CPU per request, us (median, spread) | req/s (median) |", "|---|---|---|"]
+    for kind in ("plain", "chained"):
+        cpu = kit.median_spread([by[(kind, r)]["cpu_per_req_us"] for r in reps])
+        rps = kit.median_spread([by[(kind, r)]["rps"] for r in reps])
+        lines.append(f"| {kind} | {kit.pm(cpu)} | {rps[0]:,.0f} |")
+    m, s = kit.median_spread(ratios)
+    within = all(x <= LIMIT for x in ratios)
+    lines += ["", f"Chained over plain, repeat by repeat: {', '.join(f'{x:.2f}' for x in ratios)}; median {m:.2f} "
+              f"(spread ±{s:.0%}); {'within' if within else '**not within**'} {LIMIT} in every repeat."]
+    mem = run.get("redis_memory")
+    if mem:
+        lines += ["", f"Redis: {mem['turns']} more stored turns of one chain took {mem['used_memory_delta']:,} bytes "
+                  f"of `used_memory`, {mem['bytes_per_turn']:,.0f} bytes a turn; a record's median size "
+                  f"{mem['record_bytes_median']:,} bytes (its input items and Response object; the rest is the "
+                  f"indexes and Redis's own per-key cost)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conc", type=int, default=8)
+    ap.add_argument("--state", choices=("memory", "redis"), default="memory")
+    ap.add_argument("--memory-turns", type=int, default=500, help="turns stored to read Redis's memory per turn")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this long for a quiet machine first")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--json", type=Path, help="also write the raw run here")
+    args = ap.parse_args(argv)
+    run = measure(args)
+    text = report(run)
+    args.out.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1))
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
