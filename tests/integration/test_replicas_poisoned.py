@@ -197,9 +197,9 @@ async def test_entries_each_within_bounds_move_a_fit_no_further_in_total_than_on
             moved = (await fits(p))["fast"]["itl_a_ms"] / before[p]
             served, reason = await chat(p, "write a long story", max_tokens=600)
             assert moved <= 10.5, (moved, reason)
-            # Routing stays where it was when the engines are further apart than the bound lets a fit move (on a
-            # busy machine the fast engine measures slower, and the gap may be less).
-            assert served == "fast" or gap[p] < 2 * 10.5, (moved, reason, gap[p])
+            # Routing stays where it was while the engines are further apart than the fit moved (20 times against
+            # about 8; on a busy machine the fast engine measures slower, and the gap may be less).
+            assert served == "fast" or gap[p] < 1.5 * moved, (moved, reason, gap[p])
         assert await logged((a, b), "within one half-life")  # the later entries refused, and said why
     finally:
         await replicas.stop()
