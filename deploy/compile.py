@@ -25,8 +25,9 @@ COMPILED = (
     "gateway.contracts", "gateway.errors", "gateway.hot_settings", "gateway.runtime", "gateway.pipeline",
     "gateway.upstream",
     "gateway.apis", "gateway.http", "gateway.routing",
-    "gateway.fleet.pool", "gateway.fleet.health", "gateway.stats.rolling", "gateway.stats.key_usage", "gateway.stats.ledger",
-    "gateway.keys.auth", "gateway.keys.principal", "gateway.limits.limiter", "gateway.limits.buckets", "gateway.experiments.experiment",
+    "gateway.fleet.pool", "gateway.fleet.health", "gateway.stats.rolling", "gateway.stats.key_usage",
+    "gateway.stats.ledger", "gateway.keys.auth", "gateway.keys.principal", "gateway.limits.limiter",
+    "gateway.limits.buckets", "gateway.limits.quotas", "gateway.limits.headers", "gateway.experiments.experiment",
     "gateway.observe.metrics", "gateway.observe.lean_metrics", "gateway.observe.access_log",
     "backends.http1", "backends.http1_response", "backends.slots", "policies.shape",
 )

@@ -51,15 +51,19 @@ class ServerConfig(Strict):
 # what stores, lists and counts them (GET /admin/keys could not even show a key with 2**64).
 MAX_RPM = 10**9
 MAX_TPM = 10**12
+MAX_QUOTA = 10**15  # tokens a quota counts to: whole numbers all the way in a double (Redis's Lua numbers)
 # Per-model limits one key (or [limits]) may have: each is a bucket pair the limiter keeps per key and model.
 MAX_MODEL_LIMITS = 256
 MAX_MODEL_NAME = 256
 
 
 class RateLimit(Strict):
-    """Requests and tokens per minute, at most MAX_RPM and MAX_TPM; None: no limit of that kind."""
+    """Requests and tokens per minute, at most MAX_RPM and MAX_TPM, and token quotas per UTC day and month, at most
+    MAX_QUOTA; None: no limit of that kind."""
     rpm: int | None = Field(None, ge=1, le=MAX_RPM)
     tpm: int | None = Field(None, ge=1, le=MAX_TPM)
+    tokens_per_day: int | None = Field(None, ge=1, le=MAX_QUOTA)
+    tokens_per_month: int | None = Field(None, ge=1, le=MAX_QUOTA)
 
 
 class KeyLimits(RateLimit):
@@ -208,6 +212,9 @@ class LimitsConfig(KeyLimits):
     # unusable each process enforces limit / the larger of this and the count it last saw in Redis, so one
     # that starts while Redis is down does not count itself alone.
     processes: int = Field(1, ge=1, le=100_000)
+    # With Redis state: after Redis restarted or was replaced (a new run id, so every bucket was lost), each
+    # process decides alone on its own buckets this long before it trusts the shared ones again.
+    restart_hold_s: float = Field(60.0, ge=0, le=3600)
 
 
 class StateConfig(Strict):

@@ -273,7 +273,13 @@ def _changed(args: argparse.Namespace, key: str) -> str:
     else:
         what = {"enabled": args.action == "start"}
     done = change(args.url, key, args.timeout, args.name, what)
-    if done.get("shared") is False:  # None: a single process, nobody to tell
+    replicas = done.get("replicas") if isinstance(done.get("replicas"), dict) else {}
+    if done.get("shared") is False and (replicas.get("refused") or replicas.get("pending")):
+        for proc, why in sorted((replicas.get("refused") or {}).items()):
+            print(f"shapegate: replica {proc} refused the change: {why}", file=sys.stderr)
+        for proc in replicas.get("pending") or []:
+            print(f"shapegate: replica {proc} has not said it applied the change", file=sys.stderr)
+    elif done.get("shared") is False:  # None: a single process, nobody to tell
         print("shapegate: the change applies on the process that answered, but Redis did not take it: other "
               "replicas keep the old state until a change reaches it", file=sys.stderr)
     return json.dumps(done, indent=2, ensure_ascii=False) if args.json else format_change(done)

@@ -14,6 +14,7 @@ from typing import Any
 from gateway.cli.ab import DEFAULT_URL, KEY_ENV, URL_ENV
 from gateway.cli.admin_http import AdminError, AdminRefused, admin_call
 
+LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "tokens_per_month")
 NOT_SHOWN_AGAIN = "Give the key to its client: the gateway keeps only its sha256 and cannot show it again."
 
 
@@ -37,10 +38,14 @@ def call(args: argparse.Namespace, method: str, path: str, body: dict | None = N
         raise Failed(str(e)) from None
 
 
-def config_block(key_id: str, digest: str, admin: bool) -> str:
-    """The [[auth.keys]] entry of a key, ready to paste into the configuration (its limits left commented)."""
-    return (f"[[auth.keys]]\nid = {json.dumps(key_id)}\nsha256 = \"{digest}\"\nadmin = {str(admin).lower()}\n"
-            "# limits = { rpm = 600, tpm = 200000 }   # its own limits; unset: the [limits] defaults; {} exempts it")
+def config_block(key_id: str, digest: str, admin: bool, limits: dict[str, int] | None = None) -> str:
+    """The [[auth.keys]] entry of a key, ready to paste into the configuration: its limits when given, else left
+    commented."""
+    head = f"[[auth.keys]]\nid = {json.dumps(key_id)}\nsha256 = \"{digest}\"\nadmin = {str(admin).lower()}\n"
+    if limits:
+        return head + "limits = { " + ", ".join(f"{k} = {v}" for k, v in limits.items()) + " }"
+    return head + ("# limits = { rpm = 600, tpm = 200000, tokens_per_day = 5000000 }   # its own limits; unset: "
+                   "the [limits] defaults; {} exempts it")
 
 
 def _when(t: float | None) -> str:
@@ -50,10 +55,17 @@ def _when(t: float | None) -> str:
 def _limits(limits: dict | None) -> str:
     if not limits:
         return "defaults"
-    parts = [f"{k}={limits[k]}" for k in ("rpm", "tpm") if limits.get(k) is not None]
+    parts = [f"{k}={limits[k]}" for k in LIMIT_NAMES if limits.get(k) is not None]
     for model, m in sorted((limits.get("models") or {}).items()):
-        parts += [f"{model}:{k}={m[k]}" for k in ("rpm", "tpm") if m.get(k) is not None]
+        parts += [f"{model}:{k}={m[k]}" for k in LIMIT_NAMES if m.get(k) is not None]
     return " ".join(parts) or "none"
+
+
+def _quotas(quotas: list | None) -> str:
+    """What each token quota used this day or month: day 1200/100000, m:month 5/10 (m: a model's own)."""
+    parts = [f"{q['model'] + ':' if q.get('model') else ''}{q['period']} {q['used']}/{q['limit']}"
+             for q in quotas or [] if isinstance(q, dict)]
+    return " ".join(parts) or "-"
 
 
 def create(args: argparse.Namespace) -> int:
@@ -61,7 +73,7 @@ def create(args: argparse.Namespace) -> int:
     if args.id:
         body["id"] = args.id
     limits = dict(args.limits) if args.limits is not None else {}
-    for name in ("rpm", "tpm"):
+    for name in LIMIT_NAMES:
         if getattr(args, name) is not None:
             limits[name] = getattr(args, name)
     if limits or args.limits is not None:
@@ -81,9 +93,9 @@ def listing(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(got, indent=2))
         return 0
-    rows = [[k["id"], k["source"], "yes" if k["admin"] else "no", _limits(k.get("limits")), _when(k.get("created")),
-             _when(k.get("last_used"))] for k in got.get("data", [])]
-    header = ["id", "source", "admin", "limits", "created (UTC)", "last used (UTC)"]
+    rows = [[k["id"], k["source"], "yes" if k["admin"] else "no", _limits(k.get("limits")), _quotas(k.get("quotas")),
+             _when(k.get("created")), _when(k.get("last_used"))] for k in got.get("data", [])]
+    header = ["id", "source", "admin", "limits", "quotas used", "created (UTC)", "last used (UTC)"]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for r in (header, *rows):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -135,7 +147,10 @@ def add_parsers(actions: Any) -> None:
     c.add_argument("--admin", action="store_true", help="an admin key (admin routes, /stats, the dashboard)")
     c.add_argument("--rpm", type=int, help="requests per minute for this key")
     c.add_argument("--tpm", type=int, help="tokens per minute for this key")
-    c.add_argument("--limits", type=_limits_json, help="the key's limits as JSON: rpm, tpm, models "
+    c.add_argument("--tokens-per-day", type=int, help="tokens this key may use per UTC day (a quota)")
+    c.add_argument("--tokens-per-month", type=int, help="tokens this key may use per UTC month (a quota)")
+    c.add_argument("--limits", type=_limits_json, help="the key's limits as JSON: rpm, tpm, tokens_per_day, "
+                   "tokens_per_month, models "
                    "({model: {rpm, tpm}}); --rpm and --tpm override its own")
     c.set_defaults(keys_run=create)
     ls = actions.add_parser("list", help="list a running gateway's keys (never the keys themselves)")

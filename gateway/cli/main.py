@@ -181,7 +181,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
         key = new_key()
         digest = hash_key(key)
         # The block alone on stdout (`>> config.toml` appends it whole); the key on stderr, never into a file.
-        print(keys_client.config_block(args.id or f"key-{digest[:8]}", digest, args.admin))
+        limits = {name: getattr(args, name) for name in keys_client.LIMIT_NAMES if getattr(args, name) is not None}
+        print(keys_client.config_block(args.id or f"key-{digest[:8]}", digest, args.admin, limits))
         print(f"key: {key}\nGive the key to its client: it is stored nowhere, the configuration holds only its "
               "sha256.", file=sys.stderr)
         return 0
@@ -296,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "configuration, goes to stdout; the key itself to stderr, shown once.")
     kn.add_argument("--id", help="the key's id in the block (default: key- and the start of its digest)")
     kn.add_argument("--admin", action="store_true", help="admin = true in the block")
+    for name, what in (("rpm", "requests per minute"), ("tpm", "tokens per minute"),
+                       ("tokens-per-day", "tokens per UTC day (a quota)"),
+                       ("tokens-per-month", "tokens per UTC month (a quota)")):
+        kn.add_argument(f"--{name}", type=int, help=f"{what}: the block's limits")
     keys_client.add_parsers(ks)
     k.set_defaults(func=cmd_keys)
     usage_client.add_parser(sub)  # `shapegate usage`: a running gateway's usage ledger

@@ -23,6 +23,12 @@ SAMPLES_STALE_S = 15.0  # a process that stopped publishing this long ago is lef
 SHARED_SAMPLES = 400  # per arm, class and metric: what one process publishes of its own bounded sample
 CONTROL_FILE = "experiments.control.json"
 MAX_VERSION = 2 ** 53  # versions count changes (or are a time in ms): one above this is no version
+# Versions move within a range whose top moves with the wall clock: a version more than this many ms ahead of
+# now is no version either. A counter pushed to the top (by a bad value or by someone else) then leaves room
+# for the next change a millisecond later, where a fixed top would stop every change for good.
+VERSION_AHEAD = 10 ** 9
+ACK_S = 2.0  # how long a change's writer waits for the other processes to say they applied it (or why not)
+ACK_FRESH_S = 3.0  # a process that has not said what it holds for this long is gone: not waited for
 MAX_COUNT = 2 ** 53  # requests, errors or comparisons one process counted: one above this is no count
 MAX_KEYS = 1024  # (arm, class) pairs, shadow results or arms in one process's samples: more is not a gateway's
 
@@ -36,6 +42,8 @@ class ExperimentShare:
         prefix = sharing.redis.key_prefix if sharing.redis else ""
         self._control_key = prefix + "experiments:control"
         self._version_key = prefix + "experiments:version"
+        self._applied_key = prefix + "experiments:applied"  # a field per process: the versions it holds, refusals
+        self._refusals: dict[str, tuple[int, str]] = {}  # experiment -> (the version this process refused, why)
         self._samples_key = prefix + "experiments:samples"
         self.me = f"{sharing.replica}/{sharing.worker}"
         self.others: dict[str, dict] = {}  # process -> its last published samples (fresh ones)
@@ -59,12 +67,57 @@ class ExperimentShare:
 
     # -- run-time changes ------------------------------------------------------------------------------
     async def next_version(self, local: int) -> int:
-        """A version newer than any process has: Redis' counter when there is one, else the wall clock in ms."""
+        """A version newer than any process has: Redis' counter when there is one, else the wall clock in ms.
+        Never one the other processes would refuse: a counter out of range (version_ceiling) is not used, and is
+        set back to the version taken instead."""
+        now_ms = time.time_ns() // 1_000_000
         if self.client is not None:
             v = await self._redis(self.client.incr(self._version_key))
-            if isinstance(v, int):
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= version_ceiling(now_ms / 1000):
                 return max(v, local + 1)
-        return max(time.time_ns() // 1_000_000, local + 1)
+            if v is not None:
+                chosen = max(now_ms, local + 1)
+                log.warning("the experiments' version counter in Redis is out of range (%r): set back to %d", v,
+                            chosen)
+                await self._redis(self.client.set(self._version_key, chosen))
+                return chosen
+        return max(now_ms, local + 1)
+
+    async def confirm(self, name: str, version: int) -> dict:
+        """After a change of `name` to `version` went out: which other processes applied it, which refused it
+        (and why), which did not say within ACK_S. Each process says what it holds every adopt round."""
+        deadline = time.monotonic() + ACK_S
+        while True:
+            rows = await self._redis(self.client.hgetall(self._applied_key)) if self.client is not None else None
+            applied, refused, pending = [], {}, []
+            for field, raw in (rows or {}).items():
+                proc, data = _text(field), _loads(raw)
+                if proc == self.me or not isinstance(data, dict):
+                    continue
+                if wall_time(data.get("t"), time.time(), ACK_FRESH_S) is None:
+                    continue  # gone (or no time): nobody to wait for
+                has, no = _held(data, name), _refusal(data, name)
+                if has is not None and has >= version:
+                    applied.append(proc)
+                elif no is not None and no[0] == version:
+                    refused[proc] = no[1]
+                elif has is not None:
+                    pending.append(proc)
+            if not pending or time.monotonic() >= deadline:
+                return {"applied": sorted(applied), "refused": refused, "pending": sorted(pending)}
+            await asyncio.sleep(0.1)
+
+    async def say_held(self, xs: Experiments) -> None:
+        """What this process holds of every experiment, and the changes it refused: for confirm() elsewhere."""
+        if self.client is None:
+            return
+        refusals = {n: [v, why] for n, (v, why) in self._refusals.items() if n in xs.by_name}
+        payload = orjson.dumps({"t": time.time(), "v": {n: x.version for n, x in xs.by_name.items()},
+                                "r": refusals})
+        async with self.client.pipeline(transaction=False) as p:
+            p.hset(self._applied_key, self.me, payload)
+            p.pexpire(self._applied_key, int(REDIS_KEEP_S * 1000))
+            await self._redis(p.execute())
 
     async def publish(self, xs: Experiments) -> bool:
         """Every experiment's control state where the other processes look; False when Redis did not take it."""
@@ -96,6 +149,9 @@ class ExperimentShare:
                 why = control_problem(x, control, now)
                 if why is not None:
                     refused[f"control of {name!r}"] = why
+                    version = control.get("version") if isinstance(control, dict) else None
+                    if _newer(control, x.version) and isinstance(version, int):
+                        self._refusals[name] = (version, why)  # said to its writer (say_held, confirm)
                     continue
                 try:
                     if x.adopt(control):
@@ -103,6 +159,7 @@ class ExperimentShare:
                 except Exception:  # a value no check foresaw: this change is lost, never the others nor the loop
                     log.exception("experiment %s: another process's change not taken", name)
         self._note_refused(refused, "control")
+        await self.say_held(xs)
 
     def _note_refused(self, refused: dict[str, str], kind: str) -> None:
         """Log what is left out once (the same entries are read again every round), not once a round."""
@@ -228,13 +285,38 @@ def _fresh(data, now: float) -> bool:
     return isinstance(data, dict) and wall_time(data.get("taken_at"), now, SAMPLES_STALE_S) is not None
 
 
+def version_ceiling(now_wall: float) -> int:
+    """The highest version a change may have now: VERSION_AHEAD ms past the wall clock, never past MAX_VERSION."""
+    return min(int(now_wall * 1000) + VERSION_AHEAD, MAX_VERSION)
+
+
+def _newer(control: object, version: int) -> bool:
+    v = control.get("version") if isinstance(control, dict) else None
+    return isinstance(v, int) and not isinstance(v, bool) and v > version
+
+
+def _held(data: dict, name: str) -> int | None:
+    v = data.get("v")
+    h = v.get(name) if isinstance(v, dict) else None
+    return h if isinstance(h, int) and not isinstance(h, bool) else None
+
+
+def _refusal(data: dict, name: str) -> tuple[int, str] | None:
+    r = data.get("r")
+    no = r.get(name) if isinstance(r, dict) else None
+    if isinstance(no, list) and len(no) == 2 and isinstance(no[0], int) and isinstance(no[1], str):
+        return no[0], no[1][:200]
+    return None
+
+
 def control_problem(x: Experiment, control: object, now_wall: float) -> str | None:
     """Why another process's control state of `x` must not be adopted (None: it may), checked whole before
-    anything of it is applied: a version, weights of its arms from 0 to MAX_WEIGHT, a time it changed at."""
+    anything of it is applied: a version within range (version_ceiling), weights of its arms from 0 to
+    MAX_WEIGHT, a time it changed at."""
     if not isinstance(control, dict):
         return "not an object"
     v = control.get("version")
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_VERSION:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= version_ceiling(now_wall):
         return f"a version of {v!r}"
     changed_at = control.get("changed_at")
     if changed_at is not None and wall_time(changed_at, now_wall) is None:

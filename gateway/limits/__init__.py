@@ -1,1 +1,1 @@
-"""Per-key rate limits: token buckets, kept in this process or shared through Redis."""
+"""Per-key rate limits and token quotas: token buckets and per-period counters, kept in this process or shared through Redis."""

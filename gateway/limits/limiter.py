@@ -1,4 +1,4 @@
-"""Per-key rate limits: the buckets a key's requests draw from (Plan), OpenAI's x-ratelimit headers, the limiter."""
+"""Per-key rate limits: the buckets and quotas a key's requests draw from (Plan), OpenAI's x-ratelimit headers, the limiter."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from collections.abc import Callable, Sequence
 from math import floor
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from gateway.config import LimitsConfig, RateLimit
+from gateway.config import KeyLimits, LimitsConfig, RateLimit
 from gateway.contracts import CLIENT_LEFT, OK, Outcome, RequestShape
 from gateway.errors import GatewayError, rate_limited
-from gateway.limits.buckets import KINDS, REQUESTS, TOKENS, Buckets, Clock, Need, level_at
+from gateway.limits.buckets import REQUESTS, TOKENS, Buckets, Clock, Need, level_at
+from gateway.limits.headers import LINE_PARTS, MS_TEXTS, duration, headers, kind_lines, lines, reset_text
+from gateway.limits.quotas import (PlanQuotas, QuotaNeed, Quotas, QuotaSlot, build_quotas, expire_ms, quota_lines,
+                                   quota_refusal, report_row)
 
 if TYPE_CHECKING:
     from gateway.keys.principal import Principal
@@ -35,11 +38,13 @@ class Plan:
     needs room in each), with what every check of them needs worked out once."""
 
     __slots__ = ("caps", "common", "common_heads", "limit_texts", "line_parts", "needs", "one_per_kind", "outage",
-                 "principal", "seen", "slots", "token_caps", "token_needs", "token_slots", "tokens_at", "whole_tokens")
+                 "principal", "quotas", "seen", "slots", "token_caps", "token_needs", "token_slots", "tokens_at",
+                 "whole_tokens")
 
-    def __init__(self, principal: str, needs: tuple[Need, ...]) -> None:
+    def __init__(self, principal: str, needs: tuple[Need, ...], quotas: PlanQuotas | None = None) -> None:
         self.principal = principal  # the key's id (a refusal names it)
         self.needs = needs
+        self.quotas = quotas  # its token quotas per day and month (gateway/limits/quotas.py), if it has any
         self.caps = tuple(float(n.limit) for n in needs)
         self.tokens_at = tuple(n.kind == TOKENS for n in needs)
         self.token_needs = tuple(n for n in needs if n.kind == TOKENS)
@@ -61,9 +66,11 @@ class Plan:
         self.seen: list[float] | None = None
         self.outage = 0
 
-    def bind(self, buckets: Buckets) -> Plan:
+    def bind(self, buckets: Buckets, quotas: Quotas) -> Plan:
         self.slots = buckets.slots(self.needs)
         self.token_slots = tuple(s for s, t in zip(self.slots, self.tokens_at) if t)
+        if self.quotas is not None:
+            self.quotas.bind(quotas)
         return self
 
     def costs(self, tokens: int) -> tuple[int, ...]:
@@ -92,6 +99,7 @@ class Plan:
 
 def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: RateLimit | None) -> Plan:
     needs = []
+    scopes = []
     for scope, m in ((limits, None), (per_model, model)):
         if scope is None:
             continue
@@ -99,83 +107,8 @@ def build_plan(principal: str, limits: RateLimit, model: str | None, per_model: 
             needs.append(Need(bucket_name(REQUESTS, principal, m), REQUESTS, scope.rpm, m))
         if scope.tpm is not None:
             needs.append(Need(bucket_name(TOKENS, principal, m), TOKENS, scope.tpm, m))
-    return Plan(principal, tuple(needs))
-
-
-def duration(seconds: float) -> str:
-    """A duration as OpenAI's headers write it (Go's notation, to the millisecond): 20ms, 1s, 1.5s, 6m0s."""
-    return duration_ms(int(seconds * 1000 + 0.5))
-
-
-def duration_ms(ms: int) -> str:
-    if ms < 1000:
-        return f"{ms}ms" if ms > 0 else "0s"
-    s, frac = divmod(ms, 1000)
-    text = f"{s % 60}.{frac:03d}".rstrip("0") + "s" if frac else f"{s % 60}s"
-    if s < 60:
-        return text
-    h, m = divmod(s // 60, 60)
-    return f"{h}h{m}m{text}" if h else f"{m}m{text}"
-
-
-# The texts of durations under a minute, by part, for the x-ratelimit-reset headers every reply of a limited key
-# carries: list indexes instead of formatting. A bucket's reset is at most a minute unless usage overdrew it.
-MS_TEXTS: Final = tuple(duration_ms(ms) for ms in range(1000))  # "0s", "1ms" ... "999ms"
-SECOND_TEXTS: Final = tuple(str(s) for s in range(60))
-FRACTION_TEXTS: Final = tuple(f".{ms:03d}".rstrip("0") + "s" if ms else "s" for ms in range(1000))  # "s", ".001s" ... ".999s"
-
-
-def reset_text(ms: int) -> str:
-    """duration_ms(ms), from the tables when under a minute."""
-    if ms < 1000:
-        return MS_TEXTS[ms] if ms > 0 else "0s"
-    if ms < 60000:
-        return SECOND_TEXTS[ms // 1000] + FRACTION_TEXTS[ms % 1000]
-    return duration_ms(ms)
-
-
-HEADER_NAMES: Final = {kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
-                for kind in KINDS}
-# The same triple as reply-head lines: the text before each of the three values.
-LINE_PARTS: Final = {kind: (f"{limit}: ", f"\r\n{remaining}: ", f"\r\n{reset}: ")
-              for kind, (limit, remaining, reset) in HEADER_NAMES.items()}
-
-
-def kind_lines(parts: tuple[str, str, str], limit: str, cap: float, level: float) -> str:
-    """The x-ratelimit triple of one kind as reply-head lines, from its bucket (`limit`: cap's text): what it
-    holds now (none when in debt) and the time until it is full. The one place they are written."""
-    a, b, c = parts
-    # floor() rather than int(), in a third of the time: the same text (a reset below zero reads 0s either way)
-    ms = floor((cap - level) * 60000.0 / cap + 0.5)
-    return f"{a}{limit}{b}{floor(level) if level > 0 else 0}{c}{reset_text(ms)}\r\n"
-
-
-def tightest(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> list[int]:
-    """Each kind's tightest bucket, kinds in the order the needs name them: the least remaining, then the longest
-    until full."""
-    found: dict[str, int] = {}
-    for i, n in enumerate(needs):
-        j = found.get(n.kind)
-        if j is None or (levels[i] // 1, (levels[i] - caps[i]) / caps[i]) < (levels[j] // 1,
-                                                                           (levels[j] - caps[j]) / caps[j]):
-            found[n.kind] = i
-    return list(found.values())
-
-
-def lines(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> str:
-    """The x-ratelimit triple of each kind the key is limited in, from that kind's tightest bucket, as lines."""
-    return "".join([kind_lines(LINE_PARTS[needs[i].kind], str(int(caps[i])), caps[i], levels[i])
-                    for i in tightest(needs, caps, levels)])
-
-
-def headers(needs: tuple[Need, ...], caps: tuple[float, ...], levels: Sequence[float]) -> dict[str, str]:
-    """lines() as headers (what an error reply carries)."""
-    out: dict[str, str] = {}
-    for line in lines(needs, caps, levels).split("\r\n"):
-        if line:
-            name, _, value = line.partition(": ")
-            out[name] = value
-    return out
+        scopes.append((scope.tokens_per_day, scope.tokens_per_month, m))
+    return Plan(principal, tuple(needs), build_quotas(principal, scopes))
 
 
 def plan_lines(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> str:
@@ -190,14 +123,15 @@ def plan_lines(plan: Plan, caps: tuple[float, ...], levels: Sequence[float]) -> 
 
 
 class Reservation:
-    """What a request took from its key's buckets, kept on its state until it ends: the plan, caps (the plan's
-    limits or this process's share of them), its buckets' levels after, the tokens taken, whether from the
-    shared store (settled there) rather than this process's buckets, and its replies' x-ratelimit lines."""
+    """What a request took from its key's buckets and quotas, kept on its state until it ends: the plan, caps (the
+    plan's limits or this process's share of them), its buckets' levels after, the tokens taken, whether from the
+    shared store (settled there) rather than this process's buckets, its replies' x-ratelimit lines, and the
+    quota slots it charged with the periods they were in and their keys in the shared store."""
 
-    __slots__ = ("limiter", "plan", "caps", "levels", "tokens", "shared", "lines")
+    __slots__ = ("limiter", "plan", "caps", "levels", "tokens", "shared", "lines", "qslots", "qperiods", "qkeys")
 
     def __init__(self, limiter: Limiter, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
-                 shared: bool, lines: str) -> None:
+                 shared: bool, lines: str, qslots: tuple[QuotaSlot, ...] = (), qkeys: tuple[str, ...] = ()) -> None:
         self.limiter = limiter
         self.plan = plan
         self.caps = caps
@@ -205,14 +139,26 @@ class Reservation:
         self.tokens = tokens
         self.shared = shared
         self.lines = lines
+        self.qslots = qslots
+        self.qperiods = tuple([q.period for q in qslots])
+        self.qkeys = qkeys
 
     def headers(self) -> dict[str, str]:
         """The x-ratelimit headers (what an error reply after it carries)."""
-        return headers(self.plan.needs, self.caps, self.levels)
+        return line_headers(self.lines)
 
     def settle(self, o: Outcome | None) -> None:
         """At the end of the request that took it, `o` its last attempt (None: no backend was tried)."""
         self.limiter.settle(self, o)
+
+
+def line_headers(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.split("\r\n"):
+        if line:
+            name, _, value = line.partition(": ")
+            out[name] = value
+    return out
 
 
 def used_tokens(o: Outcome | None) -> int:
@@ -244,14 +190,17 @@ def refusal(principal: str, needs: tuple[Need, ...], caps: tuple[float, ...], le
 
 
 class Limiter:
-    """Checks each request of a limited key against its buckets, shared through Redis when the state is, and
-    returns what it took (its replies' headers, then settlement from its usage)."""
+    """Checks each request of a limited key against its buckets and quotas, shared through Redis when the state is,
+    and returns what it took (its replies' headers, then settlement from its usage)."""
 
     def __init__(self, metrics: Metrics, local_share: Callable[[], int], shared: SharedBuckets | None = None,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic, wall: Clock = time.time) -> None:
         self.metrics = metrics
         self.local = Buckets(clock)
+        self.quotas = Quotas(wall)  # on the wall clock: periods are UTC days and months
         self.shared = shared
+        if shared is not None:
+            shared.quota_view = self.quotas.known  # what it tells a Redis that lost the quotas (restart)
         # How many processes split a limit when this one enforces it alone (with Redis: at least [limits]
         # processes, see _alone()).
         self.local_share = local_share
@@ -260,7 +209,7 @@ class Limiter:
         self.unsettled = 0  # requests that took from a bucket and have not ended yet
 
     def plan(self, principal: Principal, model: str, defaults: LimitsConfig) -> Plan | None:
-        """The buckets a request of this key for this model draws from; None for a key without limits."""
+        """The buckets and quotas a request of this key for this model draws from; None for a key without limits."""
         limits = principal.limits if principal.limits is not None else defaults
         # One plan per key, and one per key and model for a model with limits of its own.
         key: str | tuple[str, str] = (principal.id, model) if model in limits.models else principal.id
@@ -268,20 +217,23 @@ class Limiter:
         if hit is not None and hit[0] is limits:  # a reload or another key set makes new objects
             return hit[1]
         built = build_plan(principal.id, limits, model, limits.models.get(model))
-        plan = built.bind(self.local) if built.needs else None
+        plan = built.bind(self.local, self.quotas) if built.needs or built.quotas is not None else None
         if len(self._plans) < MAX_PLANS:
             self._plans[key] = (limits, plan)
         return plan
 
-    def take(self, plan: Plan, tokens: int, now: float, share: int = 0) -> Reservation:
-        """Take one request and `tokens` from every bucket of this process (memory state: decided at once), or raise
-        the 429 of the first without room. `share`: how many processes split each limit (0: the fixed number of
-        a memory-state group)."""
+    def take(self, plan: Plan, tokens: int, now: float, share: int = 0, outage: int = 0) -> Reservation:
+        """Take one request and `tokens` from every bucket and quota of this process (memory state: decided at
+        once), or raise the 429 of the first without room. `share`: how many processes split each limit (0: the
+        fixed number of a memory-state group); `outage`: the outage this process decides alone in (quotas split
+        what was left when it began)."""
         share = share or self.share
+        q = plan.quotas
         if share == 1 and plan.common:
             # The usual plan (a requests and a tokens bucket) at whole limits, the path every request of such a key
             # takes: unrolled. Anything else, a refusal included (it says why), goes the general way below, which
-            # decides the same (a test holds them together).
+            # decides the same (a test holds them together). Quotas first: checked, charged once the buckets were.
+            qslots: tuple[QuotaSlot, ...] = self._quota_check(plan, q, tokens, 1, outage) if q is not None else ()
             r, t = plan.slots
             rcap, tcap = plan.caps
             rlevel, tlevel = level_at(r, rcap, now), level_at(t, tcap, now)
@@ -298,40 +250,120 @@ class Limiter:
                          f"{thead}{floor(tlevel)}\r\n"
                          f"x-ratelimit-reset-tokens: {MS_TEXTS[tms] if tms < 1000 else reset_text(tms)}\r\n")
                 self.unsettled += 1
-                return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False, lines)
+                if q is None:
+                    return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False, lines)
+                for s in qslots:
+                    s.used += tokens
+                return Reservation(self, plan, plan.caps, (rlevel, tlevel), tokens, False,
+                                   lines + self.quotas.lines(q, qslots), qslots)
         costs = plan.costs(tokens)
         # With several processes and no shared store, this process's share: never below one request or the
         # tokens of this one.
         caps = plan.caps if share == 1 else tuple([max(c / share, min(c, float(cost)))
                                                    for c, cost in zip(plan.caps, costs)])
+        qslots = self._quota_check(plan, q, tokens, share, outage) if q is not None else ()
         refused, levels = self.local.take_slots(plan.slots, caps, costs, now)
         if refused >= 0:
             self._refuse(plan, caps, levels, costs, refused)
-        return self._taken(plan, caps, levels, tokens, False)
+        for s in qslots:
+            s.used += tokens
+        return self._taken(plan, caps, levels, tokens, False, qslots)
+
+    def _quota_check(self, plan: Plan, q: PlanQuotas, tokens: int, share: int, outage: int) -> tuple[QuotaSlot, ...]:
+        try:
+            return self.quotas.check(plan.principal, q.needs, q.slots, tokens, share, outage,
+                                     lambda: line_headers(self._quota_lines(q.needs, q.slots)))
+        except GatewayError:
+            self.metrics.limit_refused("quota")
+            raise
+
+    async def quota_report(self, keys: Sequence[tuple[str, KeyLimits]]) -> dict[str, list[dict[str, object]]]:
+        """Each key's quotas (key id, its limits or the defaults it falls back on) with the tokens used in the
+        current periods: from Redis when it answers (one read for all), else as this process knows them."""
+        periods = self.quotas.periods
+        periods.now()
+        found: list[tuple[str, QuotaNeed]] = []
+        for key_id, limits in keys:
+            scopes: list[tuple[int | None, int | None, str | None]] = [
+                (limits.tokens_per_day, limits.tokens_per_month, None)]
+            scopes += [(m.tokens_per_day, m.tokens_per_month, name) for name, m in sorted(limits.models.items())]
+            q = build_quotas(key_id, scopes)
+            if q is not None:
+                found += [(key_id, n) for n in q.needs]
+        used: list[float | None] = [None] * len(found)
+        if self.shared is not None and found:
+            read = await self.shared.read_quotas([f"{self.shared.prefix}{n.name}:{periods.texts[n.period]}"
+                                                  for _, n in found])
+            if read is not None:
+                used = read
+        out: dict[str, list[dict[str, object]]] = {}
+        for (key_id, n), u in zip(found, used):
+            if u is None:
+                u = self.quotas.used(n, periods.numbers[n.period])
+            out.setdefault(key_id, []).append(report_row(n, u, periods))
+        return out
+
+    def _quota_lines(self, needs: Sequence[Any], slots: Sequence[QuotaSlot]) -> str:
+        p = self.quotas.periods
+        return quota_lines(needs, slots, p.ends, p.now())
 
     async def reserve(self, plan: Plan, tokens: int, cfg: LimitsConfig) -> Reservation:
-        """take(), from the buckets shared through Redis when the state is (this process's, on its share of each
-        limit, when Redis does not answer in time, fails or is full)."""
+        """take(), from the buckets and quotas shared through Redis when the state is (this process's, on its share
+        of each limit, when Redis does not answer in time, fails or is full, or lost them in a restart)."""
         shared = self.shared
         if shared is None:
             return self.take(plan, tokens, self.local.clock())
         costs = plan.costs(tokens)
-        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s)
+        q = plan.quotas
+        if q is None:
+            result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s)
+            if result is None:
+                return self._alone(plan, tokens, costs, shared, cfg)
+            refused, levels = result
+            plan.seen = levels
+            if refused >= 0:
+                self._refuse(plan, plan.caps, levels, costs, refused)
+            return self._taken(plan, plan.caps, levels, tokens, True)
+        return await self._reserve_with_quotas(plan, q, tokens, costs, shared, cfg)
+
+    async def _reserve_with_quotas(self, plan: Plan, q: PlanQuotas, tokens: int, costs: tuple[int, ...],
+                                   shared: SharedBuckets, cfg: LimitsConfig) -> Reservation:
+        """reserve() for a plan with quotas: one script takes from its buckets and quotas at once, each quota's
+        key in Redis given what this process knows of it (its floor: a key that vanished starts there)."""
+        periods = self.quotas.periods
+        periods.now()
+        keys = q.store_keys(shared.prefix, periods)
+        slots = tuple([s.current(periods.numbers[n.period]) for n, s in zip(q.needs, q.slots)])
+        take_key = shared.take_key()
+        result = await shared.take(plan.needs, costs, cfg.redis_timeout_s, cfg.restart_hold_s, keys,
+                                   quota_args(q.needs, slots, tokens), take_key)
         if result is None:
-            return self._alone(plan, tokens, costs, shared, cfg)
-        refused, levels = result
+            return self._alone(plan, tokens, costs, shared, cfg, keys, take_key if shared.uncertain else "")
+        refused, values = result
+        n = len(plan.needs)
+        levels = values[:n]
+        settled = shared.settled()
+        for s, used in zip(slots, values[n:]):
+            s.heard(used, settled)
         plan.seen = levels
+        if refused >= n:
+            j = refused - n
+            self.metrics.limit_refused("quota")
+            need, s = q.needs[j], slots[j]
+            raise quota_refusal(plan.principal, need, float(need.limit), s.used, tokens, periods.ends[need.period],
+                                periods.clock(), line_headers(self._quota_lines(q.needs, slots)))
         if refused >= 0:
             self._refuse(plan, plan.caps, levels, costs, refused)
-        return self._taken(plan, plan.caps, levels, tokens, True)
+        return self._taken(plan, plan.caps, levels, tokens, True, slots, keys)
 
     def _alone(self, plan: Plan, tokens: int, costs: tuple[int, ...], shared: SharedBuckets,
-               cfg: LimitsConfig) -> Reservation:
+               cfg: LimitsConfig, qkeys: tuple[str, ...] = (), take_key: str = "") -> Reservation:
         """take() on this process's share while Redis is unusable. The share: the processes it last saw in Redis,
         and never fewer than [limits] processes (what a process that never reached Redis goes by; a larger
         count seen wins, so a deployment that grew is not counted short). This process's buckets carry over
         from outage to outage (never refilled but by time), and at an outage's start come down to its share of
-        what Redis last said they held; what it takes is owed to Redis for when it is back."""
+        what Redis last said they held; its quotas split what was left of them then. What it takes is owed to
+        Redis for when it is back."""
         share = max(self.local_share(), cfg.processes)
         now = self.local.clock()
         if plan.outage != shared.outages:
@@ -340,14 +372,23 @@ class Limiter:
             if seen is not None:
                 self.local.lower_slots(plan.slots, tuple([c / share for c in plan.caps]),
                                        tuple([level / share for level in seen]), now)
-        held = self.take(plan, tokens, now, share)
+        held = self.take(plan, tokens, now, share, shared.outages)
         shared.owe(plan.needs, costs)
+        if held.qslots and plan.quotas is not None:
+            held.qkeys = qkeys
+            if take_key:  # Redis may have run the take whose answer was lost: charged there unless it did
+                shared.quotas.charge_take(take_key, qkeys, plan.quotas.needs, held.qslots, held.qperiods, tokens)
+            else:
+                shared.charge_quotas(qkeys, plan.quotas.needs, held.qslots, held.qperiods, tokens)
         return held
 
     def _taken(self, plan: Plan, caps: tuple[float, ...], levels: Sequence[float], tokens: int,
-               shared: bool) -> Reservation:
+               shared: bool, qslots: tuple[QuotaSlot, ...] = (), qkeys: tuple[str, ...] = ()) -> Reservation:
         self.unsettled += 1
-        return Reservation(self, plan, caps, levels, tokens, shared, plan_lines(plan, caps, levels))
+        text = plan_lines(plan, caps, levels)
+        if qslots and plan.quotas is not None:
+            text += self.quotas.lines(plan.quotas, qslots)
+        return Reservation(self, plan, caps, levels, tokens, shared, text, qslots, qkeys)
 
     def _refuse(self, plan: Plan, caps: tuple[float, ...], levels: list[float], costs: tuple[int, ...],
                 refused: int) -> NoReturn:
@@ -358,12 +399,16 @@ class Limiter:
         """At the end of a request that took `r`: its tokens are charged from usage instead of the estimate."""
         self.unsettled -= 1
         plan, caps = r.plan, r.caps
-        if not plan.token_needs:
+        if not plan.token_needs and not r.qslots:
             return
         # used_tokens(o), written out: this runs for every request of a limited key
         delta = (o.prompt_tokens + o.completion_tokens if o is not None and o.result in CHARGED else 0) - r.tokens
         if delta == 0:
             return
+        if r.qslots:
+            self._settle_quotas(r, delta)
+            if not plan.token_needs:
+                return
         if r.shared and self.shared is not None:
             self.shared.settle(plan.token_needs, delta)
             return
@@ -377,3 +422,22 @@ class Limiter:
             token_caps = plan.token_caps if caps is plan.caps else tuple(
                 [c for c, t in zip(caps, plan.tokens_at) if t])
             self.local.adjust_slots(plan.token_slots, token_caps, delta)
+
+    def _settle_quotas(self, r: Reservation, delta: int) -> None:
+        """A request's quotas charged its usage instead of its estimate: here at once (in the period it was taken
+        in), and in Redis with the next batch of settlements."""
+        for s, period in zip(r.qslots, r.qperiods):
+            if s.period == period:
+                s.used += delta
+        if self.shared is not None and r.qkeys and r.plan.quotas is not None:
+            self.shared.charge_quotas(r.qkeys, r.plan.quotas.needs, r.qslots, r.qperiods, delta)
+
+
+def quota_args(needs: Sequence[Any], slots: Sequence[QuotaSlot], tokens: int) -> list[int]:
+    """The take script's arguments of each quota: its tokens, the cost, this process's floor (what it knows Redis
+    held: what it knows used, less what it has not sent yet), when the key may go, and what it has not sent."""
+    out: list[int] = []
+    for n, s in zip(needs, slots):
+        unsent = max(math.ceil(s.unsent), 0)
+        out += [n.limit, tokens, max(int(s.used - s.unsent), 0), expire_ms(n.period, s.period), unsent]
+    return out

@@ -200,13 +200,16 @@ class Metrics:
                                    "did not keep up")
         # Rate limits: labels are the two kinds and three reasons, never a key.
         self.limit_refusals = counter("shapegate_ratelimit_refused", "Requests refused by a key's rate limit, by "
-                                      "the kind of limit that ran out (requests, tokens)", ["kind"])
+                                      "the kind of limit that ran out (requests, tokens, quota: a token quota per day "
+                                      "or month)", ["kind"])
         self.limit_local_decisions = counter("shapegate_ratelimit_local_decisions", "Rate-limit checks this process "
                                              "decided on its own share of the limit because the shared Redis buckets "
-                                             "did not answer (timeout, error) or were known down (unavailable)",
+                                             "did not answer (timeout, error), were known down (unavailable) or had "
+                                             "lost their buckets in a restart (restarted)",
                                              ["reason"])
-        self._limit_refused = {k: self.limit_refusals.labels(k) for k in ("requests", "tokens")}
-        self._limit_local = {r: self.limit_local_decisions.labels(r) for r in ("timeout", "error", "unavailable")}
+        self._limit_refused = {k: self.limit_refusals.labels(k) for k in ("requests", "tokens", "quota")}
+        self._limit_local = {r: self.limit_local_decisions.labels(r) for r in ("timeout", "error", "unavailable",
+                                                                                    "restarted")}
         # Replicas sharing Redis (gateway/ops/replica_sync.py): what came in from the others, and failed rounds.
         self.replica_imports = counter("shapegate_replica_imports", "Taken from other replicas: requests their "
                                        "latency models learned from (latency), breaker openings (breaker)", ["kind"])

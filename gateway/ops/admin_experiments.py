@@ -71,5 +71,11 @@ async def change_experiment(request: web.Request) -> web.Response:
     x.change(change.get("weights"), change.get("enabled"), change.get("fraction"))
     x.version = version
     shared = await share.publish(g.experiments) if share is not None and share.active else None
-    return web.Response(body=orjson.dumps({"name": x.name, **x.control(), "shared": shared}),
-                        content_type="application/json")
+    out = {"name": x.name, **x.control(), "shared": shared}
+    if shared and share is not None and share.client is not None:
+        # Taken by Redis is not applied everywhere: each other replica says whether it applied this version, or
+        # why it refused it (another configuration of the experiment, say); `shared` only when all of them did.
+        replicas = await share.confirm(x.name, version)
+        out["shared"] = not replicas["refused"] and not replicas["pending"]
+        out["replicas"] = replicas
+    return web.Response(body=orjson.dumps(out), content_type="application/json")

@@ -43,7 +43,7 @@ def parse_new_key(raw: bytes) -> NewKey:
             raise bad_request("The request body is not valid JSON.", code="invalid_json") from None
         param = ".".join(str(p) for p in err["loc"]) or None
         if err["type"] == "extra_forbidden":
-            msg = "unknown field; expected id, admin, limits (rpm, tpm, models)"
+            msg = "unknown field; expected id, admin, limits (rpm, tpm, tokens_per_day, tokens_per_month, models)"
         elif err["type"] == "string_pattern_mismatch":
             msg = "must be 1-64 characters (letters, digits, `_`, `.`, `:`, `-`)"
         else:
@@ -123,11 +123,17 @@ def _listed(rec: KeyRecord, last_used: float | None) -> dict:
 
 
 async def key_listing(g: Gateway) -> list[dict]:
-    """Every key's id, admin flag, limits, when it was made and last used; never a key or a digest."""
+    """Every key's id, admin flag, limits, when it was made and last used, and its token quotas with what they
+    used this day and month (its own, or the [limits] defaults it falls back on); never a key or a digest."""
     used = {k: round(t, 3) for k, t in (await g.keys.last_used()).items()}
     data = [{"id": k.id, "admin": k.admin, "limits": k.limits.model_dump() if k.limits else None,
              "created": None, "last_used": used.get(k.id), "source": "config"} for k in g.cfg.auth.keys]
     data += [_listed(r, used.get(r.id)) for r in sorted(g.keys.records.values(), key=lambda r: (r.created, r.id))]
+    limits = {k.id: k.limits for k in g.cfg.auth.keys} | {r.id: r.limits for r in g.keys.records.values()}
+    quotas = await g.limiter.quota_report([(kid, own if own is not None else g.hot.limits)
+                                           for kid, own in limits.items()])
+    for row in data:
+        row["quotas"] = quotas.get(row["id"], [])
     return data
 
 

@@ -1,4 +1,4 @@
-"""The dashboard's keys view: every key's id, admin flag, limits and last use, with its usage over the stats window."""
+"""The dashboard's keys view: every key's id, admin flag, limits, quotas and last use, with its usage over the stats window."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ MAX_ROWS = 200  # the busiest keys first; the view says how many more there are
 
 
 def _limits(limits) -> dict:
-    return {"rpm": limits.rpm, "tpm": limits.tpm,
-            "models": {name: {"rpm": m.rpm, "tpm": m.tpm} for name, m in limits.models.items()}}
+    def own(x) -> dict:
+        return {"rpm": x.rpm, "tpm": x.tpm, "tokens_per_day": x.tokens_per_day, "tokens_per_month": x.tokens_per_month}
+    return {**own(limits), "models": {name: own(m) for name, m in limits.models.items()}}
 
 
 def _source(key_id: str, auth: bool) -> str:
@@ -39,7 +40,7 @@ async def keys_view(g: Gateway) -> dict:
     peers = g.sharing.peers(now_wall)
     usage = merge_usage([{"worker": g.sharing.worker, "keys": g.key_usage.summary(now_m, window)}, *peers])
     rows = [{**k, "usage": usage.pop(k["id"], None)} for k in await key_listing(g)]
-    rows += [{"id": kid, "admin": None, "limits": None, "created": None, "last_used": None,
+    rows += [{"id": kid, "admin": None, "limits": None, "created": None, "last_used": None, "quotas": [],
               "source": _source(kid, g.cfg.auth.enabled), "usage": u} for kid, u in usage.items()]
     rows.sort(key=_order)
     return {"now": now_wall, "window_s": window, "scope": "group", "workers": 1 + len(peers),

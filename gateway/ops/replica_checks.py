@@ -23,6 +23,10 @@ MALFORMED = (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeE
 # does, and it would turn routing around. Until this replica's fit stands on COLD_SAMPLES requests (its own and
 # those taken from others, as forgetting leaves them) there is only the priors to hold an entry against, which
 # real engines may be far from: then only LATENCY_CEILING_S applies.
+# The bound holds over a window of the model's half-life, not per entry: several entries each within it (or one
+# written again and again) would otherwise walk the fit as far as they like. Each window starts from the fit as it
+# stands then (its own learning and what it took), so what another replica can do to it is FAR_FACTOR per
+# half-life at most, either way, however many entries it writes.
 FAR_FACTOR = 10.0
 LATENCY_CEILING_S = 3600.0  # no figure of a fit (a TTFT, an ITL, a request's time on the engine) is above this
 MAX_REQUESTS = 2 ** 53  # an entry's request count above this is no count
@@ -70,16 +74,33 @@ def _figures(est: LatencyEstimate) -> tuple[float, float, float]:
     return est.ttft(TYPICAL_PROMPT_TOKENS), est.itl(1.0), est.service_s
 
 
-def implausible(model: LatencyModel, fit: list[float], svc: list[float], now_mono: float) -> str | None:
+def figures_now(model: LatencyModel, now_mono: float) -> tuple[float, float, float] | None:
+    """What routing reads of `model` now, once its fit stands on COLD_SAMPLES requests (None before)."""
+    now = model.trial([0.0] * FIT_LEN, [0.0] * SVC_LEN, now_mono)
+    return _figures(now) if now.samples >= COLD_SAMPLES else None
+
+
+def _moved(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+    return max(max(x / y, y / x) for x, y in zip(a, b))
+
+
+def implausible(model: LatencyModel, fit: list[float], svc: list[float], now_mono: float,
+                anchor: tuple[float, float, float] | None = None) -> str | None:
     """Why adding these sums to `model` must not happen (None: they may): a figure past LATENCY_CEILING_S, or
-    (once its fit stands on COLD_SAMPLES requests) one moved further than FAR_FACTOR either way."""
+    (once its fit stands on COLD_SAMPLES requests) one moved further than FAR_FACTOR either way, from the fit now
+    or from `anchor` (the figures at the start of the window: see FAR_FACTOR)."""
     after = _figures(model.trial(fit, svc, now_mono))
     if not all(math.isfinite(v) and 0.0 < v <= LATENCY_CEILING_S for v in after):
         return "it would put a latency past %.0f s" % LATENCY_CEILING_S
-    now = model.trial([0.0] * FIT_LEN, [0.0] * SVC_LEN, now_mono)
-    if now.samples < COLD_SAMPLES:
+    now = figures_now(model, now_mono)
+    if now is None:
         return None
-    moved = max(max(a / b, b / a) for a, b in zip(after, _figures(now)))
+    moved = _moved(after, now)
     if moved > FAR_FACTOR:
         return f"it would move this replica's own fit {moved:.3g} times (at most {FAR_FACTOR:g})"
+    if anchor is not None:
+        moved = _moved(after, anchor)
+        if moved > FAR_FACTOR:
+            return (f"with what was taken before it, it would move this replica's fit {moved:.3g} times within one "
+                    f"half-life (at most {FAR_FACTOR:g})")
     return None

@@ -17,7 +17,8 @@ import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
 from gateway.errors import MAX_RETRY_AFTER_S
-from gateway.ops.replica_checks import FIT_LEN, MALFORMED, SVC_LEN, implausible, max_hold_s, read_entry
+from gateway.ops.replica_checks import (FIT_LEN, MALFORMED, SVC_LEN, figures_now, implausible, max_hold_s,
+                                        read_entry)
 from gateway.stats.rolling import LatencyModel
 from gateway.stats.share import wall_time
 
@@ -77,6 +78,8 @@ class LatencyShare:
         self._epochs: dict[str, tuple[LatencyModel, str]] = {}
         self._folded: dict[tuple[str, str], Folded] = {}
         self._refused: dict[tuple[str, str], str] = {}  # entries left out, and why (each logged once)
+        # backend -> (its model, when the window began (monotonic), the figures then): see FAR_FACTOR
+        self._anchors: dict[str, tuple[LatencyModel, float, tuple[float, float, float]]] = {}
 
     def _epoch(self, backend: str, model: LatencyModel) -> str:
         known = self._epochs.get(backend)
@@ -123,7 +126,8 @@ class LatencyShare:
                 if b is None:
                     continue
                 try:
-                    imported += self._fold_one(key, b.latency, read_entry(entry), t, now_wall, now_mono)
+                    anchor = self._anchor(bid, b.latency, now_mono)
+                    imported += self._fold_one(key, b.latency, read_entry(entry), t, now_wall, now_mono, anchor)
                 except MALFORMED as e:
                     why = f"ignoring a malformed latency entry of {field!r} for {bid}: {e!r}"
                     self._refuse(key, "malformed", why)
@@ -134,8 +138,20 @@ class LatencyShare:
             del self._refused[key]
         return imported
 
+    def _anchor(self, backend: str, model: LatencyModel, now_mono: float) -> tuple[float, float, float] | None:
+        """The figures `model` had when the current window of one half-life began (None while it is cold)."""
+        known = self._anchors.get(backend)
+        if known is not None and known[0] is model and now_mono - known[1] < model.half_life:
+            return known[2]
+        figures = figures_now(model, now_mono)
+        if figures is None:
+            self._anchors.pop(backend, None)
+            return None
+        self._anchors[backend] = (model, now_mono, figures)
+        return figures
+
     def _fold_one(self, key: tuple[str, str], model: LatencyModel, entry: tuple[str, int, list[float], list[float]],
-                  t: float, now_wall: float, now_mono: float) -> int:
+                  t: float, now_wall: float, now_mono: float, anchor: tuple[float, float, float] | None = None) -> int:
         epoch, n, fit, svc = entry
         prev = self._folded.get(key)
         same = prev is not None and prev.model is model and prev.epoch == epoch
@@ -147,7 +163,7 @@ class LatencyShare:
                                                                                           [0.0] * SVC_LEN, 0)
         add_fit = [w - h for w, h in zip(want_fit, had_fit)]
         add_svc = [w - h for w, h in zip(want_svc, had_svc)]
-        why = implausible(model, add_fit, add_svc, now_mono)
+        why = implausible(model, add_fit, add_svc, now_mono, anchor)
         if why is not None:
             self._refuse(key, "implausible", f"not taking the latency entry of {key[0]!r} for {key[1]}: {why}")
             return 0

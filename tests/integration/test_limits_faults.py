@@ -208,3 +208,45 @@ async def test_replicas_that_start_while_redis_is_down_split_the_limit(tmp_path,
             await until(lambda p=p: shared_again(p), "shared once Redis answers")
     finally:
         await stop(procs)
+
+
+async def test_a_redis_that_restarts_empty_hands_out_no_fresh_buckets(tmp_path, engine, redis):
+    # Killed and started again, empty, every 2 s: each new Redis would read every bucket as full.
+    await redis.start()
+    procs = await start_pair(tmp_path, engine, redis.url, processes=2)
+    try:
+        async def restart() -> None:
+            while True:
+                await asyncio.sleep(2.0)
+                await redis.stop()
+                await redis.start()
+
+        restarting = asyncio.create_task(restart())
+        try:
+            served, elapsed = await drive(alternating(procs)[:80], 16.0)  # 5 a second
+        finally:
+            restarting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await restarting
+        print(f"restarting: {served[USER_KEY]} of 80 served in {elapsed:.1f} s (at most {bound(elapsed)})")
+        assert RPM // 2 <= served[USER_KEY] <= bound(elapsed)
+        for p in procs:  # each replica saw a new run id and held off the shared buckets
+            assert await local_count(p, "restarted") >= 1
+            assert "Redis restarted or was replaced" in p.stderr_text()
+    finally:
+        await stop(procs)
+
+
+async def test_a_bucket_hash_without_its_fields_fails_closed_for_its_key(tmp_path, engine, redis):
+    await redis.start()
+    procs = await start_pair(tmp_path, engine, redis.url)
+    r = redis_asyncio.Redis.from_url(redis.url)
+    try:
+        await r.hset(BUCKET, mapping={"x": "1"})  # a hash, but neither a level nor a time: nothing says it is full
+        served, elapsed = await drive(alternating(procs, (USER_KEY, OTHER_KEY))[:40], 4.0)
+        print(f"a bucket without fields: its key {served[USER_KEY]}, a healthy key {served[OTHER_KEY]} of 20 each")
+        assert served[USER_KEY] <= math.floor(RPM * elapsed / 60) + 1  # empty: only the refill
+        assert served[OTHER_KEY] == RPM
+    finally:
+        await stop(procs)
+        await r.aclose()

@@ -42,7 +42,8 @@ def client(gw: Proc) -> openai.AsyncOpenAI:
 
 async def start_pair(tmp_path: Path, engine: FakeEngine, state: dict) -> list[Proc]:
     cfg = gateway_config([{"id": "a", "engine": "vllm", "url": engine.url, "models": ["m1"]}],
-                         limits={"rpm": 60, "redis_timeout_s": 0.05}, state={"backend": "redis", **state})
+                         limits={"rpm": 60, "redis_timeout_s": 0.05, "restart_hold_s": 3.0},
+                         state={"backend": "redis", **state})
     path = tmp_path / "gw.toml"
     path.write_text(to_toml(cfg))
     procs = [gateway_proc(path, log=tmp_path / f"gw{i}.log") for i in range(2)]
@@ -183,8 +184,15 @@ async def test_each_replica_holds_its_share_while_redis_is_slow_or_down_then_sha
         status, h = await call(b)
         assert status == 200 and h["x-ratelimit-limit-requests"] == "30"
         assert await local_count(two, "error") == 1
-        await redis.start()  # back, empty: the shared bucket is full again
-        await until(lambda: shared_again(b), "back on the shared buckets after Redis restarted")
+        await redis.start()  # back, empty: a new run id, so its buckets are not trusted for [limits] restart_hold_s
+        status, h = await call(b)
+        assert status == 200 and h["x-ratelimit-limit-requests"] == "30"
+
+        async def held_off(c: openai.AsyncOpenAI) -> bool:  # decided alone once the probe saw the new run id
+            return (await call(c))[1]["x-ratelimit-limit-requests"] == "30" and await local_count(two, "restarted")
+
+        await until(lambda: held_off(b), "decided alone after Redis restarted")
+        await until(lambda: shared_again(b), "back on the shared buckets once the hold is over")
         await a.close()
         await b.close()
     finally:

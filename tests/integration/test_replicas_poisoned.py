@@ -156,6 +156,59 @@ async def test_latency_sums_scaled_ten_million_times_neither_turn_routing_nor_ou
         await client.aclose()
 
 
+def weighted(entry: dict, backend_id: str, weight: float, factor: float) -> dict:
+    """One backend's part of a latency entry: its requests and weights times `weight`, latencies times `factor`."""
+    e = entry["b"][backend_id]
+    f = [v * weight for v in e["f"][:25]] + [v * weight * factor for v in e["f"][25:]]
+    e = {**e, "f": f, "s": [e["s"][0] * weight, e["s"][1] * weight * factor], "n": int(e["n"] * weight)}
+    return {"t": time.time(), "b": {backend_id: e}}
+
+
+async def test_entries_each_within_bounds_move_a_fit_no_further_in_total_than_one_may(tmp_path):
+    client = await redis_client()
+    prefix = new_prefix()
+    slow = await FakeEngine(Knobs(ttft_s=0.01, token_s=0.02)).start()
+    fast = await FakeEngine(Knobs(ttft_s=0.01, token_s=0.001)).start()
+    replicas = Replicas(tmp_path, [backend("slow", slow), backend("fast", fast)], prefix,
+                        stats={"warmup_samples": 0})
+    key = prefix + "latency"
+    try:
+        a, b = await replicas.start(), await replicas.start()
+        for i in range(12):
+            for p in (a, b):
+                await chat(p, f"question {i}", max_tokens=24, stream=True)
+
+        async def published() -> dict | None:
+            rows = [orjson.loads(raw) for raw in (await client.hgetall(key)).values()]
+            both = [r for r in rows if all(r["b"].get(bid, {}).get("n", 0) >= 2 for bid in ("slow", "fast"))]
+            return both[0] if len(rows) == 2 and both else None
+
+        entry = await until(published, "both replicas published what they learned")
+        await asyncio.sleep(LATENCY_EVERY_S + SLACK_S)  # each folded the other's in
+        before = {p: (await fits(p))["fast"]["itl_a_ms"] for p in (a, b)}
+        gap = {p: (await fits(p))["slow"]["itl_a_ms"] / before[p] for p in (a, b)}  # 20 unless the machine is busy
+        # Three entries 2 s apart, each outweighing all before it at 8 times the last one's latencies: each moves
+        # the fit about 8 times from where it stands; together 8, 64, then 512 times.
+        for i, (weight, factor) in enumerate(((100, 8), (10_000, 64), (1_000_000, 512))):
+            await client.hset(key, f"elsewhere/{i}", orjson.dumps(weighted(entry, "fast", weight, factor)))
+            await asyncio.sleep(LATENCY_EVERY_S)
+        await asyncio.sleep(SLACK_S)
+        for p in (a, b):
+            moved = (await fits(p))["fast"]["itl_a_ms"] / before[p]
+            served, reason = await chat(p, "write a long story", max_tokens=600)
+            assert moved <= 10.5, (moved, reason)
+            # Routing stays where it was while the engines are further apart than the fit moved (20 times against
+            # about 8; on a busy machine the fast engine measures slower, and the gap may be less).
+            assert served == "fast" or gap[p] < 1.5 * moved, (moved, reason, gap[p])
+        assert await logged((a, b), "within one half-life")  # the later entries refused, and said why
+    finally:
+        await replicas.stop()
+        await slow.stop()
+        await fast.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 async def _all(check, procs) -> bool:
     return all([await check(p) for p in procs])
 
@@ -277,3 +330,46 @@ async def test_an_experiment_control_no_replica_writes_applies_nothing_and_the_s
 
 async def _arms_are(p, want: set[str]) -> bool:
     return await arms(p, 6) == want
+
+
+async def test_a_version_counter_at_its_top_and_a_replica_that_refuses_are_told_to_the_writer(tmp_path):
+    client = await redis_client()
+    prefix = new_prefix()
+    engines = [await FakeEngine(Knobs()).start() for _ in range(3)]
+    backends = [backend(f"e{i}", e) for i, e in enumerate(engines)]
+    replicas = Replicas(tmp_path, backends, prefix)
+    state = {"backend": "redis", "redis_url": "redis://127.0.0.1:6379/0", "key_prefix": prefix,
+             "flush_interval_s": 0.05}
+
+    def config(arms: list[str]) -> str:
+        experiment = {"name": "ab", "model": MODEL, "mode": "split", "subject": "user",
+                      "arms": [{"name": arm, "backends": [f"e{i}"], "weight": 100 if i == 0 else 0}
+                               for i, arm in enumerate(arms)]}
+        return to_toml(gateway_config(backends, state=state) | {"experiments": [experiment]})
+
+    try:
+        replicas.path.write_text(config(["a", "b"]))
+        a, b = await replicas.start(), await replicas.start()
+        await asyncio.sleep(1.0)  # each has said what it holds
+        # The counter every change takes its version from, at the top of a version's range.
+        await client.set(prefix + "experiments:version", 2 ** 53)
+        status, body = await put(a, {"weights": {"a": 0, "b": 100}})
+        assert status == 200, body
+        assert body["version"] < 2 ** 53 and body["shared"] is True, body  # said only once b applied it...
+        assert await _arms_are(b, {"b"})  # ...which it did
+        assert body["replicas"]["applied"] and not body["replicas"]["refused"]
+        # A third replica whose experiment has other arms (a configuration not rolled out everywhere yet).
+        replicas.path.write_text(config(["a", "c"]))
+        c = await replicas.start()
+        await asyncio.sleep(1.0)
+        status, body = await put(a, {"weights": {"a": 100, "b": 0}})
+        assert status == 200 and body["shared"] is False, body
+        refused = body["replicas"]["refused"]
+        assert len(refused) == 1 and "unknown arm 'b'" in next(iter(refused.values())), body
+        assert await _arms_are(b, {"a"}) and await arms(c) == {"a"}
+    finally:
+        await replicas.stop()
+        for e in engines:
+            await e.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()

@@ -11,8 +11,8 @@ from gateway.contracts import CLIENT_ERROR, CLIENT_LEFT, ENGINE_ERROR, OK, Outco
 from gateway.errors import GatewayError
 from gateway.keys.principal import Principal
 from gateway.limits.buckets import REQUESTS, TOKENS, Buckets, Need
-from gateway.limits.limiter import (Limiter, Reservation, build_plan, duration, duration_ms, headers, plan_lines,
-                                    reset_text, used_tokens)
+from gateway.limits.headers import duration, duration_ms, headers, reset_text
+from gateway.limits.limiter import Limiter, Reservation, build_plan, plan_lines, used_tokens
 from gateway.limits.redis_buckets import SharedBuckets
 from gateway.limits.resp import INCOMPLETE, ProtocolError, RespError, encode, parse
 from gateway.observe.metrics import Metrics
@@ -340,7 +340,7 @@ class FakeShared:
         self.owed: dict[str, int] = {}
         self.settled: dict[str, int] = {}
 
-    async def take(self, needs, costs, timeout_s):
+    async def take(self, needs, costs, timeout_s, hold_s=60.0, quota_keys=(), quota_args=(), take_key=""):
         if self.levels is None:
             return None
         refused = next((i for i, (level, cost) in enumerate(zip(self.levels, costs)) if level < cost), -1)

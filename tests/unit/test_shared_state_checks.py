@@ -12,7 +12,7 @@ import pytest
 from gateway.config import BackendConfig, ConfigError, GatewayConfig, HealthConfig, LatencyHints, parse_config
 from gateway.contracts import DEFAULT, Outcome, RequestShape
 from gateway.experiments.experiment import Experiment
-from gateway.experiments.share import control_problem, samples_problem
+from gateway.experiments.share import VERSION_AHEAD, control_problem, samples_problem, version_ceiling
 from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker
 from gateway.fleet.pool import BackendState, Pool
 from gateway.ops.admin_experiments import _weights_problem
@@ -212,6 +212,38 @@ def test_the_far_factor_is_measured_on_what_routing_reads():
     assert why is not None and f"at most {FAR_FACTOR:g}" in why
 
 
+def weighted(entry: dict, backend: str, weight: float, factor: float) -> dict:
+    """The entry with one backend's requests and weights times `weight`, its latencies times `factor`."""
+    e = entry["b"][backend]
+    f = [v * weight for v in e["f"][:25]] + [v * weight * factor for v in e["f"][25:]]
+    s = [e["s"][0] * weight, e["s"][1] * weight * factor]
+    return {**entry, "b": {**entry["b"], backend: {**e, "f": f, "s": s, "n": int(e["n"] * weight)}}}
+
+
+def test_entries_each_within_the_far_factor_move_the_fit_at_most_that_far_within_a_half_life():
+    clock = Clock()
+    a, b = Replica("a/1", clock), Replica("b/1", clock)
+    a.learn("x", 30, ttft=0.05, itl=0.004)
+    b.learn("x", 30, ttft=0.05, itl=0.004)
+    before = fits((b, "x"))[0]
+    entry = a.export()
+    # Each forged entry outweighs everything before it at 8 times the last one's latencies: each moves the fit
+    # about 8 times from where it stands, 8, 64, 512 times in all.
+    rows: dict[str, dict] = {}
+    for i, (weight, factor) in enumerate(((100, 8), (10_000, 64), (1_000_000, 512))):
+        rows[f"forged/{i}"] = {**weighted(entry, "x", weight, factor), "t": clock.wall}
+        b.fold(rows)
+        clock.step(2.0)
+    after = fits((b, "x"))[0]
+    moved = max(after.service_s / before.service_s, after.itl(1.0) / before.itl(1.0))
+    assert 5 < moved <= FAR_FACTOR  # the first was taken, the others not
+    # A half-life later the window starts again from where the fit stands.
+    clock.step(b.backends["x"].latency.half_life)
+    rows = {"forged/0": {**weighted(entry, "x", 100, 8), "t": clock.wall}}
+    b.fold(rows)
+    assert b.share._refused == {}
+
+
 @pytest.mark.parametrize("change", [
     {"n": -1}, {"n": True}, {"n": 2 ** 60}, {"e": 5}, {"f": [0.0] * 29}, {"s": [1.0, "x"]},
     {"s": [1e6, 1.0]},  # a weight of a million from 30 requests
@@ -307,6 +339,7 @@ def experiment() -> Experiment:
     ({"version": "5", "weights": {"a": 1}}, "a version"),
     ({"version": True, "weights": {"a": 1}}, "a version"),
     ({"version": 2 ** 60, "weights": {"a": 1}}, "a version"),
+    ({"version": int(WALL * 1000) + VERSION_AHEAD + 1, "weights": {"a": 1}}, "a version"),  # ahead of its range
     ({"version": 5, "weights": {"a": 1e308, "b": 1e308}}, "from 0 to 1e+06"),
     ({"version": 5, "weights": {"a": 0, "b": 0}}, "at least one arm"),
     ({"version": 5, "weights": {"zzz": 1}}, "unknown arm"),
@@ -325,6 +358,16 @@ def test_a_good_control_passes_and_adopts():
     control = {"version": 5, "enabled": True, "fraction": None, "weights": {"a": 1, "b": 3}, "changed_at": WALL - 1}
     assert control_problem(x, control, WALL) is None
     assert x.adopt(control) and [a.weight for a in x.arms] == [1.0, 3.0] and x.version == 5
+
+
+def test_the_top_of_the_version_range_moves_with_the_clock():
+    x = experiment()
+    top = version_ceiling(WALL)
+    control = {"version": top, "weights": {"a": 1, "b": 3}, "changed_at": WALL - 1}
+    assert control_problem(x, control, WALL) is None and x.adopt(control)
+    # A change at the top leaves room for the next one a moment later.
+    assert control_problem(x, {**control, "version": top + 1}, WALL) is not None
+    assert control_problem(x, {**control, "version": top + 1}, WALL + 0.001) is None
 
 
 def test_samples_no_process_writes_are_refused():

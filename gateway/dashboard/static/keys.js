@@ -1,4 +1,5 @@
-// shapegate dashboard: the keys section, from /dashboard/keys (ids, admin flag, limits, last use, usage in the window).
+// shapegate dashboard: the keys section, from /dashboard/keys (ids, admin flag, limits, token quotas and what they
+// used, last use, usage in the window).
 'use strict';
 
 (() => {
@@ -34,6 +35,12 @@
     return parts.join(' · ') + (own == null ? ' (defaults)' : '');
   }
 
+  // Each token quota with what it used this day or month: "tok/day 1,200 of 100,000 used (m)".
+  function quotasText(quotas) {
+    return (Array.isArray(quotas) ? quotas : []).map((q) =>
+      `tok/${q.period} ${fmt(q.used)} of ${fmt(q.limit)} used${q.model ? ` (${q.model})` : ''}`).join(' · ');
+  }
+
   function ago(t, now) {
     if (t == null) return 'never';
     const s = Math.max(0, now - t);
@@ -53,7 +60,8 @@
         SOURCES[k.source] ?? k.source)),
       el('td', {}, k.admin ? el('span', { class: 'badge key-admin', testid: `key-admin:${k.id}` }, 'admin')
         : el('span', { testid: `key-admin:${k.id}` }, listed ? '—' : '')),
-      el('td', { class: 'limits', testid: `key-limits:${k.id}` }, listed ? limitsText(k.limits, report.defaults) : ''),
+      el('td', { class: 'limits', testid: `key-limits:${k.id}` }, listed ? limitsText(k.limits, report.defaults) : '',
+        listed && k.quotas?.length ? el('div', { testid: `key-quotas:${k.id}` }, quotasText(k.quotas)) : ''),
       el('td', { title: k.last_used == null ? null : new Date(k.last_used * 1000).toString() },
         num(`key-last-used:${k.id}`, k.last_used, listed ? ago(k.last_used, report.now) : '—')),
       count('requests', 'key-requests'),
