@@ -46,24 +46,28 @@ def build_chain(base: str, turns: int) -> tuple[str, list]:
     return prev, history
 
 
-def redis_bytes_per_turn(base: str, prefix: str, turns: int) -> dict:
-    """Redis's used_memory before and after `turns` more stored turns of one chain, per turn."""
+def redis_bytes_per_turn(base: str, prefix: str, chains: int, turns: int) -> dict:
+    """Redis's used_memory before and after `chains` more chains of `turns` stored turns each, per turn; the
+    median size of those turns' records."""
     import redis
     r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     before = r.info("memory")["used_memory"]
-    prev, sizes = None, []
-    for i in range(turns):
-        body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
-                "max_output_tokens": 16}
-        if prev:
-            body["previous_response_id"] = prev
-        prev = call(base, "POST", "/v1/responses", body)["id"]
+    made = []
+    for _ in range(chains):
+        prev = None
+        for i in range(turns):
+            body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
+                    "max_output_tokens": 16}
+            if prev:
+                body["previous_response_id"] = prev
+            prev = call(base, "POST", "/v1/responses", body)["id"]
+            made.append(prev)
     after = r.info("memory")["used_memory"]
-    for key in r.scan_iter(match=f"{prefix}resp:*", count=1000):
-        sizes.append(r.strlen(key))
+    sizes = sorted(r.strlen(key) for key in r.scan_iter(match=f"{prefix}resp:*", count=1000)
+                   if key.decode().rsplit(":", 1)[1] in set(made))
     r.close()
-    sizes.sort()
-    return {"turns": turns, "used_memory_delta": after - before, "bytes_per_turn": (after - before) / turns,
+    n = chains * turns
+    return {"chains": chains, "turns": turns, "used_memory_delta": after - before, "bytes_per_turn": (after - before) / n,
             "record_bytes_median": sizes[len(sizes) // 2] if sizes else 0, "records": len(sizes)}
 
 
@@ -76,6 +80,9 @@ def measure(args) -> dict:
     procs: list[subprocess.Popen] = []
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     state = (f'[state]\nbackend = "redis"\nkey_prefix = "{prefix}"\n' if args.state == "redis" else "")
+    # Every stored request adds a record: bounds far above what a run makes, and a short life (they are not read)
+    state += ("[responses]\nmax_per_key = 10000000\nmax_bytes_per_key = 8589934592\nmax_total = 10000000\n"
+              "max_total_bytes = 8589934592\nttl_s = 600\n")
     points, memory = [], None
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -85,29 +92,33 @@ def measure(args) -> dict:
             cfg.write_text(cfg.read_text().replace('engine = "openai"', 'engine = "vllm"'))
             base, gw = kit.start_gateway(cfg, procs, **kit.QUIET)
             last, history = build_chain(base, args.turns)
-            kinds = {
-                "chained": {"model": "bench", "input": "And one more?", "previous_response_id": last,
-                            "max_output_tokens": 16},
-                "plain": {"model": "bench", "input": [*history, {"role": "user", "content": "And one more?"}],
-                          "max_output_tokens": 16},
-            }
+            # Each kind stored (`store` at its default: its record written before its reply) and not kept (`store:
+            # false`: a plain turn is then passed on untouched, the harshest comparison).
+            chained = {"model": "bench", "input": "And one more?", "previous_response_id": last,
+                       "max_output_tokens": 16}
+            plain = {"model": "bench", "input": [*history, {"role": "user", "content": "And one more?"}],
+                     "max_output_tokens": 16}
+            kinds = {"chained": chained, "plain": plain, "chained_unstored": {**chained, "store": False},
+                     "plain_unstored": {**plain, "store": False}}
             cond["bodies_bytes"] = {k: len(json.dumps(b)) for k, b in kinds.items()}
             script = kit.wrk_script(tmp)
             for body in kinds.values():  # warm both paths
                 kit.run_wrk(base + "/v1/responses", json.dumps(body), args.conc, 1.0, script)
             names = list(kinds)
             for rep in range(args.repeats):
-                order = names if rep % 2 == 0 else names[::-1]  # alternate: what runs first pays
+                order = names[rep % len(names):] + names[:rep % len(names)]  # rotate: what runs first pays
                 for pos, kind in enumerate(order):
                     c0 = kit.cpu_seconds(gw.pid)
                     r = kit.run_wrk(base + "/v1/responses", json.dumps(kinds[kind]), args.conc, args.seconds, script)
+                    if r["errors"]:
+                        raise SystemExit(f"{r['errors']} of {r['requests']} {kind} requests failed: no figure")
                     cpu = kit.cpu_seconds(gw.pid) - c0
                     r.update(kind=kind, rep=rep, position=pos, cpu_per_req_us=cpu / max(r["requests"], 1) * 1e6,
                              rps=r["requests"] / (r["duration_us"] / 1e6))
                     points.append(r)
                     print(json.dumps(r), flush=True)
             if args.state == "redis":
-                memory = redis_bytes_per_turn(base, prefix, args.memory_turns)
+                memory = redis_bytes_per_turn(base, prefix, args.memory_chains, args.turns)
         finally:
             kit.stop_all(procs)
     cond["load_after"] = os.getloadavg()
@@ -118,30 +129,37 @@ def report(run: dict) -> str:
     pts, c = run["points"], run["conditions"]
     by = {(p["kind"], p["rep"]): p for p in pts}
     reps = sorted({p["rep"] for p in pts})
-    ratios = [by[("chained", r)]["cpu_per_req_us"] / by[("plain", r)]["cpu_per_req_us"] for r in reps]
+
+    def ratios(suffix: str) -> list[float]:
+        return [by[("chained" + suffix, r)]["cpu_per_req_us"] / by[("plain" + suffix, r)]["cpu_per_req_us"]
+                for r in reps]
     lines = ["# A chained Responses turn beside a plain one", "",
              f"{kit.run_line(c)}.", "",
              f"One gateway (sources, `[state] backend = \"{c['state']}\"`) in front of `benchmarks/fast_engine.py` "
              f"(zero delay, 16-token replies), wrk at c={c['conc']} for {c['seconds']} s per point, {c['repeats']} "
-             f"repeats, the order alternating. Both kinds are stored turns (`store` left at its default). "
-             f"**chained**: `previous_response_id` naming the last of a {c['turns']}-turn chain, which the gateway "
+             f"repeats, the order rotating, every request checked to have succeeded. **chained**: "
+             f"`previous_response_id` naming the last of a {c['turns']}-turn chain, which the gateway reads back and "
              f"expands ({c['bodies_bytes']['chained']} bytes sent); **plain**: the same conversation inline "
-             f"({c['bodies_bytes']['plain']} bytes sent).", "",
+             f"({c['bodies_bytes']['plain']} bytes sent). Both stored (`store` at its default: the record written "
+             f"before the reply goes out), and both with `store: false` (_unstored: the plain turn is then passed on "
+             f"as it came, nothing read or written).", "",
              "| kind | CPU per request, us (median, spread) | req/s (median) |", "|---|---|---|"]
-    for kind in ("plain", "chained"):
+    for kind in ("plain", "chained", "plain_unstored", "chained_unstored"):
         cpu = kit.median_spread([by[(kind, r)]["cpu_per_req_us"] for r in reps])
         rps = kit.median_spread([by[(kind, r)]["rps"] for r in reps])
         lines.append(f"| {kind} | {kit.pm(cpu)} | {rps[0]:,.0f} |")
-    m, s = kit.median_spread(ratios)
-    within = all(x <= LIMIT for x in ratios)
-    lines += ["", f"Chained over plain, repeat by repeat: {', '.join(f'{x:.2f}' for x in ratios)}; median {m:.2f} "
-              f"(spread ±{s:.0%}); {'within' if within else '**not within**'} {LIMIT} in every repeat."]
+    for suffix, label in (("", "stored"), ("_unstored", "with `store: false`")):
+        rs = ratios(suffix)
+        m, s = kit.median_spread(rs)
+        within = all(x <= LIMIT for x in rs)
+        lines += ["", f"Chained over plain, {label}, repeat by repeat: {', '.join(f'{x:.2f}' for x in rs)}; median "
+                  f"{m:.2f} (spread ±{s:.0%}); {'within' if within else '**not within**'} {LIMIT} in every repeat."]
     mem = run.get("redis_memory")
     if mem:
-        lines += ["", f"Redis: {mem['turns']} more stored turns of one chain took {mem['used_memory_delta']:,} bytes "
-                  f"of `used_memory`, {mem['bytes_per_turn']:,.0f} bytes a turn; a record's median size "
-                  f"{mem['record_bytes_median']:,} bytes (its input items and Response object; the rest is the "
-                  f"indexes and Redis's own per-key cost)."]
+        lines += ["", f"Redis: {mem['chains']} chains of {mem['turns']} stored turns took {mem['used_memory_delta']:,} "
+                  f"bytes of `used_memory`, {mem['bytes_per_turn']:,.0f} bytes a turn; their records' median size "
+                  f"{mem['record_bytes_median']:,} bytes (a turn's own input items, the Response object and the ids "
+                  f"of the turns before it; the rest is the indexes and Redis's own per-key cost)."]
     return "\n".join(lines) + "\n"
 
 
@@ -152,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--conc", type=int, default=8)
     ap.add_argument("--state", choices=("memory", "redis"), default="memory")
-    ap.add_argument("--memory-turns", type=int, default=500, help="turns stored to read Redis's memory per turn")
+    ap.add_argument("--memory-chains", type=int, default=20,
+                    help="chains of --turns turns stored to read Redis's memory per turn")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this long for a quiet machine first")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", type=Path, help="also write the raw run here")

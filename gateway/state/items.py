@@ -13,7 +13,22 @@ _PREFIX: Final = {"message": "msg_", "function_call": "fc_", "function_call_outp
 
 
 def item_id(kind: str) -> str:
-    return _PREFIX.get(kind, "item_") + secrets.token_hex(24)
+    return _PREFIX.get(kind, "item_") + secrets.token_hex(16)
+
+
+class Ids:
+    """Item ids for one request's items: one random draw, then a counter (ids name items inside records their
+    owner alone reaches: unique, not secret)."""
+
+    __slots__ = ("base", "n")
+
+    def __init__(self) -> None:
+        self.base = secrets.token_hex(12)
+        self.n = 0
+
+    def __call__(self, kind: str) -> str:
+        self.n += 1
+        return f"{_PREFIX.get(kind, 'item_')}{self.base}{self.n:04x}"
 
 
 def stored_items(value: Any, param: str = "input") -> list[dict[str, Any]]:
@@ -24,6 +39,7 @@ def stored_items(value: Any, param: str = "input") -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"id": item_id("message"), "type": "message", "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": value}]}]
+    ids = Ids()
     if not isinstance(value, list):
         raise bad_request(f"'{param}' must be a string or an array of items.", param=param, code="invalid_type")
     out = []
@@ -42,7 +58,7 @@ def stored_items(value: Any, param: str = "input") -> list[dict[str, Any]]:
             one["content"] = [{"type": part, "text": content}]
         rid = one.get("id")
         if not isinstance(rid, str) or not rid:
-            one["id"] = item_id(kind)
+            one["id"] = ids(kind)
         out.append(one)
     return out
 

@@ -8,13 +8,19 @@ from typing import Any
 import orjson
 
 
+def record_of(status: str, prev: str | None, chain: list[str], conversation: str | None,
+              items: list[dict[str, Any]], response: dict[str, Any]) -> dict[str, Any]:
+    """A record as a dict (encode_record's, before it is encoded)."""
+    return {"status": status, "prev": prev, "chain": chain, "conversation": conversation, "input": items,
+            "response": response}
+
+
 def encode_record(status: str, prev: str | None, chain: list[str], conversation: str | None,
                   items: list[dict[str, Any]], response: dict[str, Any]) -> bytes:
     """The record of a response: its status (first, so the store reads it without parsing), the responses it
     continues (`chain`: every response before it, oldest first, `prev` last), its conversation, its own input items
     and the Response."""
-    return orjson.dumps({"status": status, "prev": prev, "chain": chain, "conversation": conversation,
-                         "input": items, "response": response})
+    return orjson.dumps(record_of(status, prev, chain, conversation, items, response))
 
 
 def decode_record(data: bytes) -> dict[str, Any] | None:

@@ -9,12 +9,15 @@ An index entry whose record expired is dropped, with its size, the next time the
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
 from typing import Any, Final
 
 import redis.asyncio as redis_asyncio
 
 from gateway.config import ResponsesConfig, StateConfig
+from gateway.limits.resp import RespConnection, RespError
 from gateway.state.store import CONVERSATION, FULL, MISSING, OK, RESPONSE
 
 # KEYS: record, owner index, owner sizes, all index, all sizes. ARGV: id, data, ttl_ms, (unused), max per key,
@@ -162,22 +165,29 @@ return redis.call('DEL', KEYS[1])
 
 class RedisStore:
     """The store in Redis (see the module's docstring). Every call is bounded by [responses] store_timeout_s; a Redis
-    that does not answer raises (redis.exceptions.RedisError, OSError, TimeoutError) for the caller to judge."""
+    that does not answer raises (redis.exceptions.RedisError, OSError, TimeoutError) for the caller to judge.
+
+    The reads and the scripts a turn waits on (a record, a chain's records, whether they still exist; the record's
+    write) go over one pipelined connection of the request path's own (gateway/limits/resp.py: a few
+    microseconds of CPU each); a conversation's items are read through redis-py."""
 
     kind = "redis"
 
     def __init__(self, cfg: ResponsesConfig, state: StateConfig) -> None:
         self.cfg = cfg
         self.prefix = state.key_prefix
+        self.url = state.redis_url
+        self._wire: RespConnection | None = None
+        self._opening = asyncio.Lock()
         self.client = redis_asyncio.Redis.from_url(state.redis_url, socket_timeout=cfg.store_timeout_s,
                                                    socket_connect_timeout=cfg.store_timeout_s)
-        self._put = self.client.register_script(_PUT)
-        self._delete = self.client.register_script(_DELETE)
-        self._create_conv = self.client.register_script(_CREATE_CONVERSATION)
-        self._append = self.client.register_script(_APPEND)
-        self._set_meta = self.client.register_script(_SET_META)
-        self._delete_item = self.client.register_script(_DELETE_ITEM)
-        self._delete_conv = self.client.register_script(_DELETE_CONVERSATION)
+        self._put = self._script(_PUT)
+        self._delete = self._script(_DELETE)
+        self._create_conv = self._script(_CREATE_CONVERSATION)
+        self._append = self._script(_APPEND)
+        self._set_meta = self._script(_SET_META)
+        self._delete_item = self._script(_DELETE_ITEM)
+        self._delete_conv = self._script(_DELETE_CONVERSATION)
 
     def _key(self, kind: str, owner: str, oid: str) -> str:
         return f"{self.prefix}{kind}:{owner}:{oid}"
@@ -194,24 +204,38 @@ class RedisStore:
     def _ms(self) -> tuple[int, int]:
         return int(self.cfg.ttl_s * 1000), int(time.time() * 1000)
 
+    async def _read(self, *args: Any) -> Any:
+        """One read on the request path's connection (opened, or opened again, on first need)."""
+        async with asyncio.timeout(self.cfg.store_timeout_s):
+            wire = self._wire
+            if wire is None or not wire.is_open:
+                async with self._opening:
+                    wire = self._wire
+                    if wire is None or not wire.is_open:
+                        wire = self._wire = await RespConnection.open(self.url)
+            return await wire.call(*args)
+
+    def _script(self, source: str) -> Script:
+        return Script(self, source)
+
     async def get(self, kind: str, owner: str, oid: str) -> bytes | None:
         if kind == RESPONSE:
-            data: Any = await self.client.get(self._key(kind, owner, oid))
+            data: Any = await self._read("GET", self._key(kind, owner, oid))
         else:
-            data = await self.client.hget(self._key(kind, owner, oid), "meta")
+            data = await self._read("HGET", self._key(kind, owner, oid), "meta")
         return data if isinstance(data, bytes) else None
 
     async def get_many(self, kind: str, owner: str, oids: list[str]) -> list[bytes | None]:
         if not oids:
             return []
         assert kind == RESPONSE  # (conversations are read one at a time)
-        found = await self.client.mget([self._key(kind, owner, o) for o in oids])
+        found = await self._read("MGET", *(self._key(kind, owner, o) for o in oids))
         return [v if isinstance(v, bytes) else None for v in found]
 
     async def count(self, kind: str, owner: str, oids: list[str]) -> int:
         if not oids:
             return 0
-        return int(await self.client.exists(*(self._key(kind, owner, o) for o in oids)))
+        return int(await self._read("EXISTS", *(self._key(kind, owner, o) for o in oids)))
 
     async def put_response(self, owner: str, rid: str, data: bytes) -> int:
         return max(int(await self._run_put(owner, rid, data, "")), 0)
@@ -262,4 +286,25 @@ class RedisStore:
         return int(await self._delete_item(keys=keys[:2], args=[item])) == 1
 
     async def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         await self.client.aclose()
+
+
+class Script:
+    """A Lua script run by its digest on the store's connection, loaded again when Redis does not know it (a
+    restart, a SCRIPT FLUSH)."""
+
+    def __init__(self, store: RedisStore, source: str) -> None:
+        self.store = store
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.store._read("EVALSHA", self.sha, len(keys), *keys, *args)
+        except RespError as e:
+            if not str(e).startswith("NOSCRIPT"):
+                raise
+        await self.store._read("SCRIPT", "LOAD", self.source)
+        return await self.store._read("EVALSHA", self.sha, len(keys), *keys, *args)

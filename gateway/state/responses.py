@@ -54,14 +54,13 @@ class ResponsesService:
         prev = prev if isinstance(prev, str) else None
         conv = api.conversation_of(body)
         items = stored_items(body.get("input"))
-        history: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = []  # the kept items, as an engine is sent them
         chain: list[str] = []
         try:
             if prev is not None:
                 records = await self.chain_of(owner, prev)
                 for rec in records:
-                    history += rec["input"]
-                    history += rec["response"].get("output") or []
+                    history += engine_items(rec)
                 chain = [*records[-1]["chain"], prev]
             elif conv is not None:
                 kept = await self.store.items(owner, conv)
@@ -71,11 +70,11 @@ class ResponsesService:
                     raise GatewayError(400, f"The conversation '{conv}' holds {len(kept)} items, the most this gateway "
                                        f"keeps in one is {self.cfg.max_conversation_items}; start another.",
                                        param="conversation", code="conversation_full")
-                history = [i for i in map(item_of, kept) if i is not None]
+                history = for_engine([i for i in map(item_of, kept) if i is not None])
         except STORE_ERRORS:
             raise unavailable("conversation state") from None
         upstream = {k: v for k, v in body.items() if k not in GATEWAY_FIELDS}
-        upstream["input"] = for_engine(history) + client_input(body.get("input")) if history else body.get("input")
+        upstream["input"] = history + client_input(body.get("input")) if history else body.get("input")
         upstream["store"] = False
         if body.get("background") is True:
             upstream.pop("stream", None)  # the gateway runs it to its end and keeps the result
@@ -160,6 +159,19 @@ class ResponsesService:
         if task is not None:
             task.cancel()  # running here: the engine's request ends now (elsewhere it ends, unrecorded, on its own)
         return resp
+
+
+# Where a parsed record of this process keeps its items as an engine is sent them, made once (a key no JSON record
+# can hold; records read from the cache are never written back).
+ENGINE_ITEMS: Final = "\x00engine"
+
+
+def engine_items(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One finished response's input and output items, as an engine is sent them again (made once per record)."""
+    made = rec.get(ENGINE_ITEMS)
+    if made is None:
+        made = rec[ENGINE_ITEMS] = for_engine([*rec["input"], *(rec["response"].get("output") or [])])
+    return made
 
 
 def _finished(rec: dict[str, Any], rid: str) -> None:

@@ -19,12 +19,13 @@ from typing import Final, Protocol
 from redis.exceptions import RedisError
 
 from gateway.config import ResponsesConfig
+from gateway.limits.resp import RespError
 
 RESPONSE: Final = "resp"
 CONVERSATION: Final = "conv"
 
 # What a store that does not answer raises (the Redis store; the memory store raises none).
-STORE_ERRORS: Final = (RedisError, OSError, TimeoutError)
+STORE_ERRORS: Final = (RedisError, RespError, OSError, TimeoutError)
 
 # What a conversation write can come to.
 OK: Final = "ok"

@@ -18,7 +18,7 @@ import orjson
 from gateway.apis.responses import FINAL_EVENTS, OBJECT_EVENTS
 from gateway.errors import GatewayError
 from gateway.state.items import output_items
-from gateway.state.records import RecordCache, encode_record
+from gateway.state.records import RecordCache, record_of
 from gateway.state.store import OK, STORE_ERRORS, Store
 
 log = logging.getLogger("shapegate")
@@ -28,7 +28,7 @@ RUNNING: Final = ("queued", "in_progress")  # a background response not yet done
 
 
 def new_response_id() -> str:
-    return "resp_" + secrets.token_hex(24)
+    return "resp_" + secrets.token_hex(16)  # 128 random bits: unguessable, and short (chains keep their ids)
 
 
 class Turn:
@@ -140,7 +140,8 @@ class Turn:
             await self._append(resp)
         if not self.store:
             return
-        data = encode_record(str(status), self.prev, self.chain, self.conversation, self.items, resp)
+        rec = record_of(str(status), self.prev, self.chain, self.conversation, self.items, resp)
+        data = orjson.dumps(rec)
         if len(data) > self.max_bytes:
             log.warning("a stored response was not kept: %d bytes, over [responses] max_response_bytes (%d)",
                         len(data), self.max_bytes)
@@ -155,7 +156,7 @@ class Turn:
             self.errors += 1
             log.warning("stored responses: the store did not take a response (%s)", type(e).__name__)
         if self._cache is not None and status in FINAL_STATUSES:
-            self._cache.put(self.owner, self.id, data)
+            self._cache.put(self.owner, self.id, data, rec)  # (parsed already: the dict it was made from)
 
     async def _append(self, resp: dict[str, Any]) -> None:
         assert self.conversation is not None

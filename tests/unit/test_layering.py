@@ -28,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.http", "gateway.observe", "gateway.hot_settings", "gateway.dashboard", "gateway.sim"),
     ("gateway.stats",),
     ("gateway.fleet", "gateway.keys"),
-    ("gateway.limits", "gateway.state"),  # the state kept for clients: stored responses, conversations
+    ("gateway.limits",),
+    ("gateway.state",),  # the state kept for clients: stored responses, conversations (on the limits' Redis wire)
     ("gateway.routing",),  # its request state is a leaf: it imports only the contracts and the Api type
     ("gateway.experiments",),
     ("gateway.runtime",),  # the long-lived objects of one gateway
