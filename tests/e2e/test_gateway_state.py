@@ -17,7 +17,8 @@ from tests.e2e.js_client import run_script
 from tests.e2e.targets import PUBLIC_MODEL, backend, config
 from tests.gateway_harness import RunningGateway, USER_KEY, start_gateway
 
-pytestmark = pytest.mark.e2e
+# Each test starts its own vLLM (tens of seconds on two cores, more while the session's engines run beside it).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MAX_OUT = 8
 STORE_SWITCH = "VLLM_ENABLE_RESPONSES_API_STORE"
 
