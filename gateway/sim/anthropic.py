@@ -229,7 +229,8 @@ async def messages(request: web.Request, st: SimState) -> web.StreamResponse:
         body = await _body(request)
         model, tokens, constraint, named = _prompt(st, body, count_only=False)
         limit = body.get("max_tokens", 4096)  # llama-server fills in 4096 when it is missing
-        error = context_error(st.parse_ctx, len(tokens), limit)
+        # (vLLM turns a Messages request into a chat one: its refusal names max_completion_tokens)
+        error = context_error(st.parse_ctx, len(tokens), limit, "max_completion_tokens")
         if error is not None:
             raise error
         room = (st.profile.slot_ctx() if st.engine_name == "llamacpp"

@@ -107,7 +107,16 @@ def _prompt_tokens(kind: str, body: dict[str, Any], tools: str = "") -> list[int
                         "(the simulator serves one prompt per request)", param="prompt")
 
 
-def context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError | None:
+def over_window(n: int, limit: int | None, name: str) -> ApiError | None:
+    """vLLM 0.32 refuses an output cap past its whole window (a cap past the room a prompt leaves it takes as the
+    room), naming the field the cap came in (seen: max_tokens, max_completion_tokens, max_output_tokens)."""
+    if limit is None or limit <= n:
+        return None
+    return ApiError(400, f"{name}={limit} cannot be greater than max_model_len={n}. Please request fewer output "
+                         f"tokens. (parameter={name}, value={limit})", "BadRequestError", param=name)
+
+
+def context_error(ctx: ParseContext, n_in: int, limit: int | None, limit_name: str = "max_tokens") -> ApiError | None:
     p = ctx.profile
     if ctx.engine == "llamacpp":
         n_ctx = p.slot_ctx()
@@ -129,7 +138,7 @@ def context_error(ctx: ParseContext, n_in: int, limit: int | None) -> ApiError |
         if n_in == n:
             return ApiError(400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
                             param="max_tokens")
-        return None
+        return over_window(n, limit, limit_name)
     if n_in >= n:
         return ApiError(400, f"The input ({n_in} tokens) is longer than the model's context "
                              f"length ({n} tokens).")
@@ -170,7 +179,9 @@ def parse_generation(ctx: ParseContext, kind: str, body: dict[str, Any]) -> GenR
     tools = forced.chat_tools(body) if kind == "chat" else []
     constraint = forced.chat_constraint(ctx.engine, body, tools) if kind == "chat" else None
     tokens = _prompt_tokens(kind, body, forced.tools_text(tools))
-    error = context_error(ctx, len(tokens), limit)
+    named = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    error = context_error(ctx, len(tokens), limit, named)
     inband = None
     if error is not None:
         if not (ctx.engine == "sglang" and stream):

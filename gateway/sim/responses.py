@@ -12,7 +12,7 @@ from gateway.sim import forced, pump
 from gateway.sim import responses_fmt as rf
 from gateway.sim.errors import ApiError
 from gateway.sim.handlers import error_response, generating, read_json
-from gateway.sim.parse import ParseContext, check_model, sglang_total_error
+from gateway.sim.parse import ParseContext, check_model, over_window, sglang_total_error
 from gateway.sim.scheduler import SimRequest
 from gateway.sim.state import SIM, SimState
 from gateway.sim.store import Stored
@@ -109,6 +109,8 @@ def _context_error(st: SimState, n_in: int, limit: int | None) -> ApiError | Non
     llama-server cap the output at the room left instead (tests/e2e/OBSERVED.md)."""
     n = st.profile.slot_ctx() if st.engine_name == "llamacpp" else st.profile.max_model_len
     if n_in < n:
+        if st.engine_name == "vllm":
+            return over_window(n, limit, "max_output_tokens")
         return sglang_total_error(n, n_in, limit) if st.engine_name == "sglang" else None
     if st.engine_name == "vllm":
         return ApiError(400, f"The engine prompt length {n_in} exceeds the max_model_len {n}. "

@@ -1,6 +1,7 @@
 """An output cap past the context window, on every generating route and under each of its names: SGLang refuses it
-with its own 400 and words (which the gateway reads as context_length_exceeded); vLLM 0.32 and llama-server cap
-the output at the room left and answer 200, as the real engines were seen to (tests/e2e/OBSERVED.md)."""
+with its own 400 and words (which the gateway reads as context_length_exceeded); vLLM 0.32 refuses a cap past its
+whole window naming the field (and caps one past the room a prompt leaves at that room); llama-server caps the
+output at the room left and answers 200, as the real engines were seen to (tests/e2e/OBSERVED.md)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,14 @@ async def test_an_output_cap_past_the_context(sim, http, engine, path, body):
     async with http.post(server.url + path, json={"model": server.model, **body}) as r:
         raw = await r.read()
         status = r.status
-    if engine != "sglang":
+    if engine == "llamacpp":
         assert status == 200, raw  # capped at the room left
+        return
+    if engine == "vllm":
+        named = {"/v1/messages": "max_completion_tokens", "/v1/responses": "max_output_tokens"}.get(
+            path, next(k for k in body if k.startswith("max")))
+        assert status == 400, raw
+        assert f"{named}={BIG} cannot be greater than max_model_len={CONTEXT}" in raw.decode()
         return
     if path == "/v1/messages":
         assert status == 404  # the SGLang it imitates has no Messages API
@@ -47,3 +54,10 @@ async def test_a_cap_that_fits_is_served_everywhere(sim, http):
         async with http.post(server.url + "/v1/responses",
                              json={"model": server.model, "input": "hi", "max_output_tokens": 8}) as r:
             assert r.status == 200, await r.text()
+
+
+async def test_vllm_caps_a_cap_within_its_window_at_the_room_left(sim, http):
+    server = await sim("vllm", max_model_len=CONTEXT)
+    async with http.post(server.url + "/v1/chat/completions",
+                         json={"model": server.model, "messages": MSGS, "max_tokens": CONTEXT}) as r:
+        assert r.status == 200, await r.text()
