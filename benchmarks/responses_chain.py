@@ -1,23 +1,29 @@
 """A chained Responses turn beside a plain one of the same prompt: the gateway's CPU per request for a turn that
 names a 20-turn chain (`previous_response_id`, expanded by the gateway) and for the same whole conversation sent
-inline, both stored; and Redis's memory per stored turn. One gateway, one zero-delay engine, in one run.
+inline, stored and not; and Redis's memory per stored turn. One gateway, one zero-delay engine, in one run. With
+`--instructions`, the gateway runs under callgrind and each kind is counted in instructions per request (the same
+count whatever else the machine does), requests one after another on one connection.
 
     python3 -m benchmarks.responses_chain [--turns 20] [--seconds 4] [--repeats 3] [--state memory|redis]
+                                          [--instructions N]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 import uuid
 from pathlib import Path
 
 from benchmarks import kit
+from benchmarks.path_instructions import QUIET_HEALTH, QUIET_REFIT
 
 LIMIT = 1.3  # the requirement: a chained turn's CPU per request within this multiple of the plain turn's
 OUT = kit.RESULTS / "responses_chain.md"
@@ -71,6 +77,41 @@ def redis_bytes_per_turn(base: str, prefix: str, chains: int, turns: int) -> dic
             "record_bytes_median": sizes[len(sizes) // 2] if sizes else 0, "records": len(sizes)}
 
 
+def send(base: str, body: dict, n: int) -> None:
+    """n requests one after another on one keep-alive connection, each read to its end and checked."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), timeout=300)
+    data = json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {kit.KEY}", "Content-Type": "application/json"}
+    try:
+        for _ in range(n):
+            conn.request("POST", "/v1/responses", data, headers)
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200, r.status
+    finally:
+        conn.close()
+
+
+def counted(args, kinds: dict, base: str, pid: int, out_dir: Path) -> list[dict]:
+    """Instructions per request of each kind (callgrind), rounds rotating the order; timer-driven work taken out at
+    the rate an idle window of the same gateway shows."""
+    points = []
+    for body in kinds.values():
+        send(base, body, 20)  # warm every path
+    names = list(kinds)
+    for rep in range(args.repeats):
+        for pos, kind in enumerate(names[rep % len(names):] + names[:rep % len(names)]):
+            idle = kit.window(pid, out_dir, lambda: time.sleep(2.0))
+            busy = kit.window(pid, out_dir, lambda k=kind: send(base, kinds[k], args.instructions))
+            rate = idle["instructions"] / idle["wall_s"]
+            per = (busy["instructions"] - rate * busy["wall_s"]) / args.instructions
+            point = {"kind": kind, "rep": rep, "position": pos, "instructions_per_req": per, "busy": busy,
+                     "idle": idle, "cpu_per_req_us": per}  # (the report's column reads instructions then)
+            points.append(point)
+            print(json.dumps(point), flush=True)
+    return points
+
+
 def measure(args) -> dict:
     cond = {**kit.provenance(), "command": kit.command("benchmarks.responses_chain"), "turns": args.turns,
             "seconds": args.seconds, "repeats": args.repeats, "state": args.state, "conc": args.conc,
@@ -88,9 +129,21 @@ def measure(args) -> dict:
         tmp = Path(d)
         try:
             engine = kit.start_engine(procs, "--chunks", "16")
-            cfg = kit.gateway_config(tmp / "bench.toml", engine, access_log=False, sections=state)
+            # Counted in instructions, the timers' work (probes, load scrapes, the latency model's refit) would grow
+            # with the wall time callgrind stretches each window to: an hour apart, as benchmarks/path_instructions.py
+            quiet = args.instructions > 0
+            cfg = kit.gateway_config(tmp / "bench.toml", engine, access_log=False, sections=state,
+                                     health=QUIET_HEALTH if quiet else "", stats_lines=QUIET_REFIT if quiet else "")
             cfg.write_text(cfg.read_text().replace('engine = "openai"', 'engine = "vllm"'))
-            base, gw = kit.start_gateway(cfg, procs, **kit.QUIET)
+            out_dir = tmp / "cg"
+            if args.instructions:
+                out_dir.mkdir()
+                port = kit.free_port()
+                base = f"http://127.0.0.1:{port}"
+                gw = kit.start(kit.callgrind_argv(out_dir) + kit.serve_argv(cfg, port), procs, base + "/readyz",
+                               timeout=600, cwd=kit.ROOT, **kit.QUIET)
+            else:
+                base, gw = kit.start_gateway(cfg, procs, **kit.QUIET)
             last, history = build_chain(base, args.turns)
             # Each kind stored (`store` at its default: its record written before its reply) and not kept (`store:
             # false`: a plain turn is then passed on untouched, the harshest comparison).
@@ -101,6 +154,13 @@ def measure(args) -> dict:
             kinds = {"chained": chained, "plain": plain, "chained_unstored": {**chained, "store": False},
                      "plain_unstored": {**plain, "store": False}}
             cond["bodies_bytes"] = {k: len(json.dumps(b)) for k, b in kinds.items()}
+            if args.instructions:
+                cond["instructions"] = args.instructions
+                points = counted(args, kinds, base, gw.pid, out_dir)
+                if args.state == "redis":
+                    memory = redis_bytes_per_turn(base, prefix, args.memory_chains, args.turns)
+                return {"conditions": {**cond, "load_after": os.getloadavg()}, "points": points,
+                        "redis_memory": memory}
             script = kit.wrk_script(tmp)
             for body in kinds.values():  # warm both paths
                 kit.run_wrk(base + "/v1/responses", json.dumps(body), args.conc, 1.0, script)
@@ -133,21 +193,30 @@ def report(run: dict) -> str:
     def ratios(suffix: str) -> list[float]:
         return [by[("chained" + suffix, r)]["cpu_per_req_us"] / by[("plain" + suffix, r)]["cpu_per_req_us"]
                 for r in reps]
+    counting = "instructions" in c
+    how = (f"under `valgrind --tool=callgrind`, {c.get('instructions')} requests of each kind one after another on "
+           f"one connection per point (instructions per request, with what the gateway's timers run while idle taken "
+           f"out)" if counting else f"wrk at c={c['conc']} for {c['seconds']} s per point")
     lines = ["# A chained Responses turn beside a plain one", "",
              f"{kit.run_line(c)}.", "",
              f"One gateway (sources, `[state] backend = \"{c['state']}\"`) in front of `benchmarks/fast_engine.py` "
-             f"(zero delay, 16-token replies), wrk at c={c['conc']} for {c['seconds']} s per point, {c['repeats']} "
+             f"(zero delay, 16-token replies), {how}, {c['repeats']} "
              f"repeats, the order rotating, every request checked to have succeeded. **chained**: "
              f"`previous_response_id` naming the last of a {c['turns']}-turn chain, which the gateway reads back and "
              f"expands ({c['bodies_bytes']['chained']} bytes sent); **plain**: the same conversation inline "
              f"({c['bodies_bytes']['plain']} bytes sent). Both stored (`store` at its default: the record written "
              f"before the reply goes out), and both with `store: false` (_unstored: the plain turn is then passed on "
              f"as it came, nothing read or written).", "",
-             "| kind | CPU per request, us (median, spread) | req/s (median) |", "|---|---|---|"]
+             ("| kind | instructions per request (median, spread) |" if counting else
+              "| kind | CPU per request, us (median, spread) | req/s (median) |"),
+             "|---|---|" if counting else "|---|---|---|"]
     for kind in ("plain", "chained", "plain_unstored", "chained_unstored"):
         cpu = kit.median_spread([by[(kind, r)]["cpu_per_req_us"] for r in reps])
-        rps = kit.median_spread([by[(kind, r)]["rps"] for r in reps])
-        lines.append(f"| {kind} | {kit.pm(cpu)} | {rps[0]:,.0f} |")
+        if counting:
+            lines.append(f"| {kind} | {kit.pm(cpu)} |")
+        else:
+            rps = kit.median_spread([by[(kind, r)]["rps"] for r in reps])
+            lines.append(f"| {kind} | {kit.pm(cpu)} | {rps[0]:,.0f} |")
     for suffix, label in (("", "stored"), ("_unstored", "with `store: false`")):
         rs = ratios(suffix)
         m, s = kit.median_spread(rs)
@@ -172,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state", choices=("memory", "redis"), default="memory")
     ap.add_argument("--memory-chains", type=int, default=20,
                     help="chains of --turns turns stored to read Redis's memory per turn")
+    ap.add_argument("--instructions", type=int, default=0, metavar="N",
+                    help="count instructions (callgrind) over N requests a point instead of timing wrk")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait up to this long for a quiet machine first")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", type=Path, help="also write the raw run here")
