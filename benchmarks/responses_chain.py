@@ -36,16 +36,22 @@ def call(base: str, method: str, path: str, body: dict | None = None) -> dict:
         return json.loads(r.read())
 
 
-def build_chain(base: str, turns: int) -> tuple[str, list]:
-    """A chain of `turns` stored turns; its last id, and the whole input its next turn is expanded to (the chain's
-    items and outputs, as a client that keeps its own history would send them)."""
-    prev = None
+def make_chain(base: str, turns: int) -> list[str]:
+    """A chain of `turns` stored turns (short questions, 16-token answers): their ids."""
+    ids: list[str] = []
     for i in range(turns):
         body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
                 "max_output_tokens": 16}
-        if prev:
-            body["previous_response_id"] = prev
-        prev = call(base, "POST", "/v1/responses", body)["id"]
+        if ids:
+            body["previous_response_id"] = ids[-1]
+        ids.append(call(base, "POST", "/v1/responses", body)["id"])
+    return ids
+
+
+def build_chain(base: str, turns: int) -> tuple[str, list]:
+    """A chain of `turns` stored turns; its last id, and the whole input its next turn is expanded to (the chain's
+    items and outputs, as a client that keeps its own history would send them)."""
+    prev = make_chain(base, turns)[-1]
     items = call(base, "GET", f"/v1/responses/{prev}/input_items?order=asc&limit=100")["data"]
     last = call(base, "GET", f"/v1/responses/{prev}")
     history = [{k: v for k, v in it.items() if k not in ("id", "status")} for it in items + last["output"]]
@@ -58,16 +64,7 @@ def redis_bytes_per_turn(base: str, prefix: str, chains: int, turns: int) -> dic
     import redis
     r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     before = r.info("memory")["used_memory"]
-    made = []
-    for _ in range(chains):
-        prev = None
-        for i in range(turns):
-            body = {"model": "bench", "input": f"Turn {i}: tell me one more thing about the sea, briefly.",
-                    "max_output_tokens": 16}
-            if prev:
-                body["previous_response_id"] = prev
-            prev = call(base, "POST", "/v1/responses", body)["id"]
-            made.append(prev)
+    made = [rid for _ in range(chains) for rid in make_chain(base, turns)]
     after = r.info("memory")["used_memory"]
     sizes = sorted(r.strlen(key) for key in r.scan_iter(match=f"{prefix}resp:*", count=1000)
                    if key.decode().rsplit(":", 1)[1] in set(made))
