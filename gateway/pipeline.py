@@ -55,7 +55,8 @@ async def serve_api(g: Gateway, ex: Exchange, api: Api) -> Any:
             headers.update(st.limit.headers())
         return ex.reply(status, headers, api.errors.body(err, st.request_id))
     except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away first (noticed while waiting, or on writing to it)
+        # The client went away first (noticed while waiting, or on writing to it), unless it had its whole stream.
+        status = st.outcome.status if st.outcome is not None and st.outcome.ok else 499
         raise
     finally:
         g.finish(st, status)

@@ -187,7 +187,6 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         if shape.stream:
             meter = StreamMeter()
             resp = await stream_reply(g, st, b, reply, meter, rename, started, first_by)
-            usage = meter.usage
             status = stream_status(meter)
             outcome_ok = status == 200
             return resp
@@ -221,7 +220,12 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         status = r.error.status
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        status, left = 499, True  # the client went away (or the shutdown cut it)
+        if meter is not None and meter.saw_done and meter.error is None:
+            # The client had its whole stream and hung up while the engine's end of body was still on its way:
+            # served, with the usage the stream reported.
+            status, outcome_ok = 200, True
+        else:
+            status, left = 499, True  # the client went away (or the shutdown cut it)
         raise
     except GatewayError as e:
         if e.status < 500:
@@ -233,6 +237,8 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         if reply is not None:
             reply.close()
         settle(b, started, outcome_ok or engine_ok)
+        if meter is not None:
+            usage = meter.usage  # (also of a stream the client left: what the engine reported until then)
         n_prompt = (usage or {}).get("prompt_tokens")
         if isinstance(n_prompt, int):
             g.prompt_sizer.observe(shape.model, shape.prompt_tokens, n_prompt)

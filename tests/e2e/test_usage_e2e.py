@@ -71,13 +71,16 @@ async def engine_counts(http: aiohttp.ClientSession, engine: str, url: str) -> t
     return int(prompt), int(wire.sample_value(fams, *GENERATED[engine]))
 
 
-async def ledger_counts(gw: RunningGateway) -> dict[str, tuple[int, int]]:
+async def ledger_rows(gw: RunningGateway) -> list[dict]:
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as s:
         async with s.get(gw.url + "/admin/usage", params={"by": "backend,api", "from": "2h"}) as r:
             assert r.status == 200, await r.text()
-            report = await r.json()
+            return (await r.json())["rows"]
+
+
+async def ledger_counts(gw: RunningGateway) -> dict[str, tuple[int, int]]:
     out = {e: (0, 0) for e in ENGINES}
-    for row in report["rows"]:
+    for row in await ledger_rows(gw):
         if row["api"] in GENERATING and row["backend"] in out:
             p, c = out[row["backend"]]
             out[row["backend"]] = (p + row["prompt_tokens"], c + row["completion_tokens"])
@@ -127,6 +130,7 @@ async def test_the_ledger_counts_what_the_engines_count(engine_urls, replicas):
         except AssertionError:
             after = {e: await engine_counts(http, e, url) for e, url in engine_urls.items()}
             engines = {e: (after[e][0] - before[e][0], after[e][1] - before[e][1]) for e in engine_urls}
-            raise AssertionError(f"engines counted {engines}, the ledger {await ledger_counts(replicas[1])}") from None
+            raise AssertionError(f"engines counted {engines}, the ledger {await ledger_counts(replicas[1])}; "
+                                 f"per backend and API: {await ledger_rows(replicas[1])}") from None
     assert all(p > 0 and c > 0 for p, c in ledger.values())  # both engines served
     assert engines == ledger

@@ -12,10 +12,12 @@ import orjson
 import pytest
 
 from benchmarks.loopback import free_port, wait_http
+from tests import kit
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
 from tests.integration.test_metrics import Scrape, scrape
 from tests.procs import ROOT, to_toml
+from tests.raw_engine import CONTENT, SSE_EVENTS, RawEngine, chunk, head
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TOO_LONG = (b'{"error":{"message":"This model\'s maximum context length is 4096 tokens.","type":"BadRequestError",'
@@ -153,3 +155,45 @@ async def test_failovers_and_breaker_openings_per_backend():
     assert m.one("shapegate_breaker_openings_total", backend="busy") == 1
     assert m.value("shapegate_upstream_retries_total", backend="busy") == 1
     assert m.value("shapegate_requests_total", backend="busy", outcome="engine_error") == 1
+
+
+async def _whole_stream_then_slow_end(w: asyncio.StreamWriter, stream: bool, engine: RawEngine) -> None:
+    """Every event of a stream with the engine's usage and [DONE], then the end of the chunked body a while later
+    (an engine that finishes its bookkeeping before it closes the body)."""
+    usage = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],' \
+            b'"usage":{"prompt_tokens":777,"completion_tokens":1,"total_tokens":778}}\n\n'
+    events = [*SSE_EVENTS[:-1], usage, SSE_EVENTS[-1]]
+    w.write(head(True, b"Transfer-Encoding: chunked") + b"".join(chunk(e) for e in events))
+    await w.drain()
+    await asyncio.sleep(1.0)
+    w.write(b"0\r\n\r\n")
+    await w.drain()
+
+
+async def test_a_client_that_hangs_up_after_its_whole_stream_was_served():
+    """The client's stream ended with [DONE] (the gateway ends its body there), the client hangs up while the
+    engine's own end of body is still on its way: the request was served, and counts the engine's usage, not the
+    gateway's estimate."""
+    engine = await RawEngine().start()
+    engine.set(_whole_stream_then_slow_end)
+    gw = await start_gateway(gateway_config([{"id": "raw", "engine": "openai", "url": engine.url, "models": ["m"]}],
+                                            usage={"flush_interval_s": 0.1}))
+    try:
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=USER_KEY, max_retries=0) as client:
+            stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                          stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == CONTENT
+
+        async def counted() -> dict | None:
+            report = await get_json(gw.url, "/admin/usage?by=api")
+            return report if report["totals"]["requests"] == 1 else None
+
+        report = await kit.until(counted, "the request in the ledger", timeout=10.0)
+        totals = report["totals"]
+        assert (totals["prompt_tokens"], totals["completion_tokens"], totals["errors"]) == (777, 1, 0)
+        m = await scrape(gw.url)
+        assert outcome_counts(m, backend="raw") == {"ok": 1, "client_left": 0, "client_error": 0, "engine_error": 0}
+    finally:
+        await gw.stop()
+        await engine.stop()
