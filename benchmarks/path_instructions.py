@@ -87,7 +87,7 @@ def measure(args, baseline: Path | None, rev: str | None, compiled: Path | None 
             "rounds": args.rounds, "requests": {k: args.requests if k == "nonstream" else args.streams for k in KINDS},
             "idle_s": args.idle, "warm": args.warm, "baseline": rev, "stream_tokens": STREAM_TOKENS,
             "stream_interval_s": STREAM_INTERVAL_S}
-    targets = (["defaults", *FEATURES] + ([COMPILED] if compiled is not None else [])
+    targets = (["defaults", *([] if args.no_features else FEATURES)] + ([COMPILED] if compiled is not None else [])
                + ([f"baseline {rev}"] if baseline is not None else []))
     points: list[dict] = []
     for kind in args.kinds:
@@ -178,10 +178,13 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=100)
     ap.add_argument("--idle", type=float, default=2.0, help="seconds of each round's idle window")
     ap.add_argument("--no-compiled", action="store_true", help="leave out the compiled build of this tree")
+    ap.add_argument("--no-features", action="store_true", help="leave out the targets with a feature off")
+    ap.add_argument("--name", default="path_instructions",
+                    help="the results' file name under benchmarks/results/ (another keeps the full run's)")
     ap.add_argument("--render", action="store_true", help="re-render the .md from the saved .json")
     args = ap.parse_args()
     if args.render:
-        kit.save_and_render("path_instructions", None, markdown)
+        kit.save_and_render(args.name, None, markdown)
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
@@ -194,7 +197,7 @@ def main() -> None:
         if not args.no_compiled:
             compiled = Path(d) / "compiled"
             compiled_copy(compiled)
-        kit.save_and_render("path_instructions", measure(args, baseline, rev, compiled), markdown)
+        kit.save_and_render(args.name, measure(args, baseline, rev, compiled), markdown)
 
 
 if __name__ == "__main__":
