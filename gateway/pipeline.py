@@ -101,7 +101,10 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     if not candidates:
         raise g.pool.unavailable(shape.model, now)
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
-    candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)
+    if hot.queue is None:
+        candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)  # refused at once when saturated
+    else:  # at once when a candidate has a seat free and nothing waits for the model; else after a wait in the queue
+        candidates = await g.queue.admit(headers, caller, shape, candidates, now, hot.queue)
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
     if g.affinity is not None:

@@ -1,0 +1,60 @@
+"""A backend's seats (the requests its engine runs at once) and whether it can take one more request now.
+
+A seat count comes from the configuration (`seats`), else from llama.cpp's slots, else from the most requests the
+engine was seen running: a count only learned is probed one past while the engine queues nothing, so that it grows to
+the engine's real limit and the engine's own queue stays at most one deep."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gateway.config_queue import AdmissionConfig
+from gateway.contracts import LoadSample
+from gateway.routing.admission import enabled, saturated
+
+
+class Seated(Protocol):
+    """What the queue reads of a backend (gateway/fleet/pool.py's BackendState)."""
+
+    in_flight: int
+    load_in_flight: int
+    seats: int | None  # configured
+    peak_running: int  # the most the engine was seen running
+    held: int  # seats granted to queued requests that have not gone out yet
+    capped: int  # requests in flight (or granted) of a class with a seat share
+
+    def fresh_load(self, now: float) -> LoadSample | None: ...
+
+
+def room(b: Seated, now: float) -> int | None:
+    """Seats free on `b` now (0 or less: none), or None when nothing says how many it has."""
+    load = b.fresh_load(now)
+    occupied = b.in_flight + b.held
+    queued_there = False
+    if load is not None:
+        # What the engine runs and queues beyond the gateway's own requests (other clients): seats taken too.
+        seen = (load.running or 0.0) + (load.waiting or 0.0)
+        others = int(seen) - b.load_in_flight
+        if others > 0:
+            occupied += others
+        # The engine's queue now: what it said, and what the gateway sent or saw end since.
+        queued_there = load.waiting is not None and load.waiting + b.in_flight - b.load_in_flight > 0
+    seats = b.seats or (load.total_slots if load is not None else None)
+    if not seats:
+        if b.peak_running <= 0:
+            return 0 if queued_there else None
+        # Learned: one more while the engine queues nothing, so the count can grow to what the engine runs.
+        seats = b.peak_running if queued_there else b.peak_running + 1
+    return seats - occupied
+
+
+def seat_count(b: Seated, now: float) -> int:
+    """The seats `b` is known to have (0: unknown)."""
+    load = b.fresh_load(now)
+    return b.seats or (load.total_slots if load is not None and load.total_slots else 0) or b.peak_running
+
+
+def saturated_by(b, klass: str, now: float, cfg: AdmissionConfig) -> bool:
+    """[admission]'s own conditions (an engine queue or an in-flight count past its bounds, no idle slot for a
+    class that needs one): saturated besides the seats."""
+    return enabled(cfg) and saturated(b, klass, now, cfg)
