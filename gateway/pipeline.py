@@ -101,9 +101,11 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     if not candidates:
         raise g.pool.unavailable(shape.model, now)
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
+    background = st.turn is not None and st.turn.background
     if hot.queue is None:
         candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)  # refused at once when saturated
-    else:  # at once when a candidate has a seat free and nothing waits for the model; else after a wait in the queue
+    elif not background:  # (a background response is answered at once, and waits in its own task: background.py)
+        # At once when a candidate has a seat free and nothing waits for the model; else after a wait in the queue.
         candidates = await g.queue.admit(headers, caller, shape, candidates, now, hot.queue)
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
@@ -116,8 +118,8 @@ async def handle(g: Gateway, st: RequestState) -> Any:
         decision = Decision(decision.ranked, "stored response")
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
-    if st.turn is not None and st.turn.background:
-        return await start_background(g, st, shape, decision)  # answered now (queued), run in the background
+    if background:
+        return await start_background(g, st, shape, decision, candidates)  # answered now (queued), run in the background
     if choice is not None and st.shadow is not None and choice.shadow is not None:
         st.tap = shadow.launch(g, *choice.shadow, st, shape, body, st.raw)  # starts once this request has gone out
     return await dispatch(g, st, shape, decision)

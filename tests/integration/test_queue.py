@@ -248,15 +248,27 @@ async def test_every_api_waits_in_the_queue_and_is_served():
             ]
             tasks = [asyncio.create_task(c) for c in calls]
             await queued(gw, len(tasks))
+            # A background response is answered at once, and its run waits in the queue like the others.
+            bg = await oai.responses.create(model="m", input="hi", max_output_tokens=4, background=True)
+            assert bg.status == "queued"
+            await queued(gw, len(tasks) + 1)
             assert all(not t.done() for t in tasks)
             holder.close()  # the holder's client leaves: its seat frees, and the queue's first takes it
             chat, completion, embedding, response, message = await asyncio.gather(*tasks)
+            await until(lambda: gw.state.queue.length == 0)
+            bg = await until(lambda: _done(oai, bg.id), "the background response done")
         assert chat.choices[0].message.content and completion.choices[0].text
         assert embedding.data[0].embedding
         assert response.output_text and message.content[0].text
+        assert bg.output_text
         served = gw.state.queue.report()["priorities"]["normal"]["ended"]["served"]["count"]
-        assert served == len(tasks)
+        assert served == len(tasks) + 1
     finally:
         await claude.close()
         await stop(gw)
         await engine.close()
+
+
+async def _done(oai: openai.AsyncOpenAI, rid: str):
+    r = await oai.responses.retrieve(rid)
+    return r if r.status in ("completed", "incomplete") else None  # (incomplete: its max_output_tokens)
