@@ -106,4 +106,6 @@ class QueueSettings:
         self.key_weights = dict(cfg.key_weights)
         self.max_deadline_ms = cfg.max_deadline_ms
         self.admission = admission
+        self.admission_on = admission.max_waiting is not None or admission.max_in_flight is not None or \
+            bool(admission.slot_classes)  # (gateway/routing/admission.py's enabled(), read once)
         self.status, self.retry_after_s = admission.status, admission.retry_after_s

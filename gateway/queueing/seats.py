@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gateway.config_queue import AdmissionConfig
 from gateway.contracts import LoadSample
-from gateway.routing.admission import enabled, saturated
 
 
 class Seated(Protocol):
@@ -53,8 +51,3 @@ def seat_count(b: Seated, now: float) -> int:
     load = b.fresh_load(now)
     return b.seats or (load.total_slots if load is not None and load.total_slots else 0) or b.peak_running
 
-
-def saturated_by(b, klass: str, now: float, cfg: AdmissionConfig) -> bool:
-    """[admission]'s own conditions (an engine queue or an in-flight count past its bounds, no idle slot for a
-    class that needs one): saturated besides the seats."""
-    return enabled(cfg) and saturated(b, klass, now, cfg)

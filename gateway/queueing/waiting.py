@@ -12,7 +12,8 @@ from gateway.config_queue import PRIORITIES, QueueSettings
 from gateway.errors import GatewayError, overloaded
 from gateway.queueing.order import FairOrder, Waiter
 from gateway.queueing.priority import deadline_missed, deadline_of, level_of
-from gateway.queueing.seats import room, saturated_by, seat_count
+from gateway.queueing.seats import room, seat_count
+from gateway.routing.admission import saturated
 
 NEVER: Final = float("-inf")
 
@@ -63,7 +64,7 @@ class WaitQueue:
         free, and its class under its share of the seats while other classes came in for the model lately."""
         if not b.usable(now):
             return False
-        if saturated_by(b, klass, now, qs.admission):
+        if qs.admission_on and saturated(b, klass, now, qs.admission):
             return False
         free = room(b, now)
         if free is not None and free <= 0:

@@ -272,3 +272,28 @@ async def test_every_api_waits_in_the_queue_and_is_served():
 async def _done(oai: openai.AsyncOpenAI, rid: str):
     r = await oai.responses.retrieve(rid)
     return r if r.status in ("completed", "incomplete") else None  # (incomplete: its max_output_tokens)
+
+
+async def test_a_run_time_keys_priority_orders_its_requests(gated):
+    gw = await one_seat(gated)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/admin/keys", headers=ADMIN, json={"id": "rt", "priority": "high"}) as r:
+                assert r.status == 201
+                KEYS["rt"] = (await r.json())["key"]
+            async with s.post(gw.url + "/admin/keys", headers=ADMIN, json={"priority": "urgent"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "priority"
+            async with s.get(gw.url + "/admin/keys", headers=ADMIN) as r:
+                listed = {k["id"]: k for k in (await r.json())["data"]}
+        assert listed["rt"]["priority"] == "high" and listed["boss"]["priority_header"] is True
+        holder = await hold_the_seat(gw, gated)
+        normal = ask(gw, "n0")
+        await queued(gw, 1)
+        high = ask(gw, "r0", key="rt")
+        await queued(gw, 2)
+        gated.knobs.gate.set()
+        await asyncio.gather(holder, normal, high)
+        assert texts(gated) == ["holder", "r0", "n0"]
+    finally:
+        KEYS.pop("rt", None)
+        await stop(gw)
