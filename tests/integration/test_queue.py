@@ -95,6 +95,8 @@ async def test_priorities_go_first_and_stats_and_metrics_show_the_queue(gated):
                 q = (await r.json())["queue"]
             async with s.get(gw.url + "/metrics") as r:
                 metrics = await r.text()
+            async with s.get(gw.url + "/dashboard/feed", headers=ADMIN) as r:
+                assert (await r.json())["queue"]["length"] == 5  # the dashboard's "queued"
         assert q["length"] == 5
         assert {p: row["length"] for p, row in q["priorities"].items()} == {"high": 1, "normal": 3, "low": 1}
         assert 'shapegate_queue_length{priority="normal"} 3.0' in metrics
