@@ -19,6 +19,7 @@ class Seated(Protocol):
     seats: int | None  # configured
     peak_running: int  # the most the engine was seen running
     held: int  # seats granted to queued requests that have not gone out yet
+    interactive: bool  # marked for single interactive sessions
     capped: int  # requests in flight (or granted) of a class with a seat share
 
     def fresh_load(self, now: float) -> LoadSample | None: ...

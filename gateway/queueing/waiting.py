@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable, Final, Iterable, Mapping, Sequence
 
 from gateway.config_queue import PRIORITIES, QueueSettings
+from gateway.contracts import INTERACTIVE
 from gateway.errors import GatewayError, overloaded
 from gateway.queueing.order import FairOrder, Waiter
 from gateway.queueing.priority import deadline_missed, deadline_of, level_of
@@ -16,6 +17,7 @@ from gateway.queueing.seats import room, seat_count
 from gateway.routing.admission import saturated
 
 NEVER: Final = float("-inf")
+MAX_SESSIONS: Final = 4096  # sessions remembered; ids are client strings, so the memory is bounded
 
 
 class Entry:
@@ -47,6 +49,9 @@ class WaitQueue:
         self.order = FairOrder(len(PRIORITIES), self._weight)
         self.by_model: dict[str, int] = {}  # waiters per model: none waiting for it, a request with a seat goes at once
         self.demand: dict[str, float] = {}  # model -> when a request of a class without a seat share last came in
+        # Interactive sessions by when their last turn came in, oldest first: a backend marked interactive keeps a
+        # seat for each one seen within reserve_window_s (as the shape policy keeps its slots for them).
+        self.sessions: dict[str, float] = {}
         self.outcomes: dict[tuple[str, str], list[float]] = {}  # (priority, outcome) -> [count, seconds waited, max]
         self._scheduled = False
 
@@ -69,12 +74,33 @@ class WaitQueue:
         free = room(b, now)
         if free is not None and free <= 0:
             return False
+        if b.interactive and klass != INTERACTIVE and free is not None:
+            kept = self._active_sessions(now, qs.reserve_window_s)
+            if kept and free <= kept:
+                return False  # its free seats are kept for the sessions that use it
         share = qs.shares.get(klass)
         if share is not None and now - self.demand.get(model, NEVER) <= qs.reserve_window_s:
             n = seat_count(b, now)
             if n and b.capped >= max(1, int(n * share)):
                 return False
         return True
+
+    def _session_seen(self, sid: str, now: float) -> None:
+        sessions = self.sessions
+        sessions.pop(sid, None)  # (re-inserted last: the dict stays oldest first)
+        sessions[sid] = now
+        if len(sessions) > MAX_SESSIONS:
+            del sessions[next(iter(sessions))]
+
+    def _active_sessions(self, now: float, window_s: float) -> int:
+        """Sessions with a turn within the window; older ones are forgotten on the way."""
+        sessions = self.sessions
+        while sessions:
+            sid, seen = next(iter(sessions.items()))
+            if now - seen <= window_s:
+                break
+            del sessions[sid]
+        return len(sessions)
 
     # -- the request path ---------------------------------------------------------------------------------
     async def admit(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
@@ -84,6 +110,8 @@ class WaitQueue:
         klass, model = shape.klass, shape.model
         if klass not in qs.shares:
             self.demand[model] = now
+        if klass == INTERACTIVE and shape.session_id is not None:
+            self._session_seen(shape.session_id, now)
         deadline_s = deadline_of(headers, qs.max_deadline_ms)
         if not self.by_model.get(model):
             open_ = [b for b in candidates if self.takes(b, klass, model, now, qs)]

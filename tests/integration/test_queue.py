@@ -299,3 +299,27 @@ async def test_a_run_time_keys_priority_orders_its_requests(gated):
     finally:
         KEYS.pop("rt", None)
         await stop(gw)
+
+
+async def test_an_interactive_backend_keeps_its_seats_for_the_sessions_that_use_it(gated):
+    llama = await sim("llamacpp", slots=2)
+    gw = await start_gateway(config([backend("v", "openai", gated.url, {"m": "m"}, seats=1),
+                                     backend("ll", "llamacpp", llama.url, interactive=True)]))
+    try:
+        ll = gw.state.pool.get("ll")
+        await until(lambda: ll.load is not None and ll.load.total_slots == 2, "llama.cpp's slots scraped")
+        c = client(gw)
+        for sid in ("s1", "s2"):  # two sessions use it: both its slots are theirs
+            stream = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "turn"}],
+                                                     max_tokens=4, stream=True, extra_headers={"x-session-id": sid})
+            [chunk async for chunk in stream]
+        holder = await hold_the_seat(gw, gated)  # (to v: llama.cpp's slots are kept for the sessions)
+        other = ask(gw, "agent")
+        await queued(gw, 1)  # llama.cpp has two idle slots, both kept for the sessions: it waits for v
+        gated.knobs.gate.set()
+        await asyncio.gather(holder, other)
+        assert texts(gated)[-1] == "agent"
+    finally:
+        await stop(gw)
+        await llama.close()
+
