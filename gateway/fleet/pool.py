@@ -46,10 +46,12 @@ class BackendState:
         self.reconfigure(cfg)
         self.in_flight = 0
         # The queue's view (gateway/queueing/): seats granted to queued requests not yet gone out, requests in flight
-        # or granted of a class with a seat share, and the most requests the engine was seen running.
+        # or granted of a class with a seat share, the most requests the engine was seen running, and the most it
+        # was seen running while it queued more.
         self.held = 0
         self.capped = 0
         self.peak_running = 0
+        self.full_at = 0
         self.on_load: Callable[[], None] | None = None  # told of each load sample (a seat may have freed)
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
@@ -100,8 +102,12 @@ class BackendState:
         """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,
         while the gateway has measured little here itself, stand in for the latency model's prior."""
         self.load, self.load_in_flight = sample, self.in_flight
-        if sample.running is not None and sample.running > self.peak_running:
-            self.peak_running = int(sample.running)
+        running = sample.running
+        if running is not None:
+            if running > self.peak_running:
+                self.peak_running = int(running)
+            if sample.waiting and running > self.full_at:
+                self.full_at = int(running)  # it queues beyond this many: its seats, as far as is known
         r = self.reported
         if r.observe(sample):
             self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)

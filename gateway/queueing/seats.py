@@ -1,8 +1,9 @@
 """A backend's seats (the requests its engine runs at once) and whether it can take one more request now.
 
-A seat count comes from the configuration (`seats`), else from llama.cpp's slots, else from the most requests the
-engine was seen running: a count only learned is probed one past while the engine queues nothing, so that it grows to
-the engine's real limit and the engine's own queue stays at most one deep."""
+A seat count comes from the configuration (`seats`), else from llama.cpp's slots, else it is learned: once the engine
+was seen queueing requests, the most it was seen running. A count only learned is probed one past while the engine
+queues nothing, so that it grows to the engine's real limit and the engine's own queue stays at most one deep; an
+engine never seen queueing is never held back by the gateway (nothing says it is full)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Seated(Protocol):
     load_in_flight: int
     seats: int | None  # configured
     peak_running: int  # the most the engine was seen running
+    full_at: int  # the most it was seen running while it queued requests (0: never seen queueing)
     held: int  # seats granted to queued requests that have not gone out yet
     interactive: bool  # marked for single interactive sessions
     capped: int  # requests in flight (or granted) of a class with a seat share
@@ -40,15 +42,16 @@ def room(b: Seated, now: float) -> int | None:
         queued_there = load.waiting is not None and load.waiting + b.in_flight - b.load_in_flight > 0
     seats = b.seats or (load.total_slots if load is not None else None)
     if not seats:
-        if b.peak_running <= 0:
+        if b.full_at <= 0:
             return 0 if queued_there else None
         # Learned: one more while the engine queues nothing, so the count can grow to what the engine runs.
-        seats = b.peak_running if queued_there else b.peak_running + 1
+        seats = max(b.full_at, b.peak_running) + (0 if queued_there else 1)
     return seats - occupied
 
 
 def seat_count(b: Seated, now: float) -> int:
     """The seats `b` is known to have (0: unknown)."""
     load = b.fresh_load(now)
-    return b.seats or (load.total_slots if load is not None and load.total_slots else 0) or b.peak_running
+    return b.seats or (load.total_slots if load is not None and load.total_slots else 0) or \
+        (max(b.full_at, b.peak_running) if b.full_at else 0)
 

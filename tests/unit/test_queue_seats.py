@@ -20,6 +20,7 @@ class Backend:
     load_in_flight: int = 0
     seats: int | None = None
     peak_running: int = 0
+    full_at: int = 0
     held: int = 0
     capped: int = 0
     load: LoadSample | None = field(default=None)
@@ -38,8 +39,10 @@ def sample(running=None, waiting=None, total_slots=None) -> LoadSample:
     (Backend(in_flight=3, seats=4, held=1), 0),  # a seat granted to a queued request counts as taken
     (Backend(in_flight=1, load_in_flight=1, load=sample(1, 0, total_slots=2)), 1),  # llama.cpp's slots
     (Backend(in_flight=1, load_in_flight=1, load=sample(2, 0, total_slots=2)), 0),  # another client holds one
-    (Backend(in_flight=2, load_in_flight=2, peak_running=2, load=sample(2, 0)), 1),  # learned: probed one past
-    (Backend(in_flight=3, load_in_flight=3, peak_running=2, load=sample(2, 1)), -1),  # ...not while it queues
+    (Backend(in_flight=2, load_in_flight=2, peak_running=2, load=sample(2, 0)), None),  # never seen queueing: open
+    (Backend(in_flight=2, load_in_flight=2, peak_running=2, full_at=2, load=sample(2, 0)), 1),  # learned: one past
+    (Backend(in_flight=3, load_in_flight=3, peak_running=2, full_at=2, load=sample(2, 1)), -1),  # ...not while queued
+    (Backend(in_flight=4, load_in_flight=4, peak_running=4, full_at=2, load=sample(4, 0)), 1),  # it grew past it
     (Backend(in_flight=2, load_in_flight=2, load=sample(1, 1)), 0),  # no count yet, but the engine queues
     (Backend(in_flight=1, load_in_flight=2, load=sample(1, 1)), None),  # ...and one ended since: its queue is gone
 ])
@@ -50,7 +53,8 @@ def test_room(b, free):
 def test_seat_count_prefers_configuration_then_slots_then_learning():
     assert seat_count(Backend(seats=8, peak_running=3, load=sample(total_slots=2)), NOW) == 8
     assert seat_count(Backend(peak_running=3, load=sample(total_slots=2)), NOW) == 2
-    assert seat_count(Backend(peak_running=3), NOW) == 3
+    assert seat_count(Backend(peak_running=3, full_at=2), NOW) == 3
+    assert seat_count(Backend(peak_running=3), NOW) == 0  # never seen queueing: not known to be full at any count
     assert seat_count(Backend(), NOW) == 0
 
 
