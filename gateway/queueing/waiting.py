@@ -112,12 +112,13 @@ class WaitQueue:
             self.demand[model] = now
         if klass == INTERACTIVE and shape.session_id is not None:
             self._session_seen(shape.session_id, now)
+        # Both headers checked on every request (a bad one is a 400 whether or not it would have waited).
         deadline_s = deadline_of(headers, qs.max_deadline_ms)
+        level = level_of(headers, caller.priority, caller.priority_header, qs.class_level, klass)
         if not self.by_model.get(model):
             open_ = [b for b in candidates if self.takes(b, klass, model, now, qs)]
             if open_:
                 return open_
-        level = level_of(headers, caller.priority, caller.priority_header, qs.class_level, klass)
         return await self._wait(caller.id, level, shape, candidates, now, deadline_s, qs)
 
     async def _wait(self, key: str, level: int, shape: Any, candidates: list, now: float, deadline_s: float | None,
@@ -229,10 +230,11 @@ class WaitQueue:
                 b = self._pick(e, now, qs, full)
                 if b is None:
                     continue
-                self.order.grant(w)
                 if e.deadline_at is not None and now + b.latency.estimate().ttft(e.prompt_tokens) > e.deadline_at:
+                    self.order.remove(w)  # refused, not served: its key is not charged
                     e.future.set_exception(deadline_missed(e.model, e.deadline_s or 0.0, now - e.since))
                 else:
+                    self.order.grant(w)
                     self._hold(b, e)
                     e.future.set_result(b)
                 granted = True

@@ -83,6 +83,9 @@ async def queued(gw, n: int) -> None:
 async def test_priorities_go_first_and_stats_and_metrics_show_the_queue(gated):
     gw = await one_seat(gated)
     try:
+        with pytest.raises(openai.BadRequestError) as bad:  # checked even when a seat is free
+            await ask(gw, "bad", key="boss", headers={"x-shapegate-priority": "urgent"})
+        assert bad.value.body["param"] == "x-shapegate-priority" and texts(gated) == []
         holder = await hold_the_seat(gw, gated)
         tasks = []
         for i, p in enumerate(["low", "normal", "high", "normal"]):
