@@ -165,7 +165,8 @@ async def run_variant(ctx, http: aiohttp.ClientSession, direct: aiohttp.ClientSe
         await sampler
     finally:
         await asyncio.to_thread(stop_children, [gw])
-    return {"variant": variant, "repeat": repeat, "idle_wait_s": idle_s, "load1_at_start": load,
+    return {"variant": variant, "repeat": repeat, "window_s": args.window, "idle_wait_s": idle_s,
+            "load1_at_start": load,
             "samples": samples, **run}
 
 
@@ -219,7 +220,7 @@ async def bench(args: argparse.Namespace, meta: dict) -> list[dict]:
             if not args.sim:  # (the simulator has no tokenizer route)
                 cal["prompt_tokens"] = await rr.prompt_tokens(direct, engines[0].url)
             meta["calibration"] = cal
-            meta["targets"] = report.targets(cal, args)
+            meta["targets"] = report.targets(args)
             print("rates /s:", {k: round(v, 3) for k, v in cal["rates"].items()}, file=sys.stderr)
             timeout = aiohttp.ClientTimeout(total=None, sock_read=args.window + args.drain)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
@@ -229,6 +230,7 @@ async def bench(args: argparse.Namespace, meta: dict) -> list[dict]:
                     print(f"{variant} #{r + 1}: first key {f['first']['n']} requests, TTFT target met "
                           f"{f['first']['attained']:.0%}, failed {f['first']['failed']}, "
                           f"{time.time() - meta['started']:.0f} s", file=sys.stderr)
+                    save(args, meta, runs, done=False)  # what ran so far, should the rest not
     finally:
         for h in engines:
             await h.close()
@@ -246,12 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="offered busy fraction at the better engine's single-request speed (routing_real: 0.6)")
     ap.add_argument("--flood-factor", type=float, default=2.0,
                     help="the second key's bulk generations, as a multiple of the first key's generation rate")
-    ap.add_argument("--slo-factor", type=float, default=3.0, help="interactive TTFT target = this x its single "
-                    "request on the better engine (at least --ttft-floor-ms)")
+    ap.add_argument("--slo-factor", type=float, default=3.0, help="routing_real's SLOs (in the calibration only)")
     ap.add_argument("--ttft-floor-ms", type=float, default=50.0)
-    ap.add_argument("--agent-ttft", type=float, default=1.0, help="the agent requests' TTFT target, seconds")
-    ap.add_argument("--long-prompt-ttft", type=float, default=1.0, help="the long prompts' TTFT target, seconds")
-    ap.add_argument("--generation-ttft", type=float, default=5.0, help="the bulk generations' TTFT target, seconds")
+    for kind in ("interactive", "agent", "long-prompt", "generation"):  # default: the gateway's class targets
+        ap.add_argument(f"--{kind}-ttft", type=float, default=None, help=f"the {kind} requests' TTFT target, s")
     ap.add_argument("--sim", action="store_true", help="simulated engines instead (a check of the script, not a "
                     "result: write it elsewhere with --output)")
     ap.add_argument("--output", default=str(kit.RESULTS / "overload_real"), help="path prefix of the .md and .json")
@@ -271,13 +271,19 @@ def main(argv: list[str] | None = None) -> int:
                          "think_s": rr.THINK_S, "agent_systems": rr.AGENT_SYSTEMS,
                          "long_prompt_tokens": rr.LONG_PROMPT_TOKENS}}
     runs = asyncio.run(bench(args, meta))
+    print(save(args, meta, runs, done=True))
+    return 0
+
+
+def save(args: argparse.Namespace, meta: dict, runs: list[dict], done: bool) -> str:
+    """The results so far (`done`: all of them), written; the report's text."""
     meta["load_after"] = os.getloadavg()
     meta["elapsed_s"] = round(time.time() - meta["started"], 1)
+    meta["complete"] = done
     summary = report.summarize(runs, meta)
     md = report.markdown(meta, summary)
     kit.write_result(Path(args.output), {"meta": meta, "summary": summary, "runs": runs}, md)
-    print(md)
-    return 0
+    return md
 
 
 if __name__ == "__main__":
