@@ -106,7 +106,9 @@ async def handle(g: Gateway, st: RequestState) -> Any:
         candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)  # refused at once when saturated
     elif not background:  # (a background response is answered at once, and waits in its own task: background.py)
         # At once when a candidate has a seat free and nothing waits for the model; else after a wait in the queue.
-        candidates = await g.queue.admit(headers, caller, shape, candidates, now, hot.queue)
+        open_ = g.queue.admit_now(headers, caller, shape, candidates, now, hot.queue)
+        candidates = open_ if open_ is not None else await g.queue.wait(headers, caller, shape, candidates, now,
+                                                                         hot.queue)
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
     if g.affinity is not None:

@@ -12,7 +12,7 @@ from gateway.config_queue import PRIORITIES, QueueSettings
 from gateway.contracts import INTERACTIVE
 from gateway.errors import GatewayError, overloaded
 from gateway.queueing.order import FairOrder, Waiter
-from gateway.queueing.priority import deadline_missed, deadline_of, level_of
+from gateway.queueing.priority import DEADLINE_HEADER, deadline_missed, deadline_of, level_of
 from gateway.queueing.seats import room, seat_count
 from gateway.routing.admission import saturated
 
@@ -65,10 +65,12 @@ class WaitQueue:
 
     # -- a backend's seat ------------------------------------------------------------------------------
     def takes(self, b, klass: str, model: str, now: float, qs: QueueSettings) -> bool:
-        """Whether `b` can take a request of `klass` for `model` now: usable, not saturated by [admission], a seat
-        free, and its class under its share of the seats while other classes came in for the model lately."""
-        if not b.usable(now):
-            return False
+        """Whether `b` can take a request of `klass` for `model` now: usable, and open (below)."""
+        return b.usable(now) and self.open(b, klass, model, now, qs)
+
+    def open(self, b, klass: str, model: str, now: float, qs: QueueSettings) -> bool:
+        """Whether usable `b` has a seat for a request of `klass` for `model` now: not saturated by [admission], a
+        seat free, and its class under its share of the seats while other classes came in for the model lately."""
         if qs.admission_on and saturated(b, klass, now, qs.admission):
             return False
         free = room(b, now)
@@ -103,28 +105,40 @@ class WaitQueue:
         return len(sessions)
 
     # -- the request path ---------------------------------------------------------------------------------
-    async def admit(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
-                    qs: QueueSettings) -> list:
-        """The candidates that can take the request now, at once when it need not wait (one check per candidate);
-        else after its wait. Raises 503/429 (Retry-After) past the queue's bounds, 504 past the client's deadline."""
+    def admit_now(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
+                  qs: QueueSettings) -> list | None:
+        """The candidates (usable now: the pool's) with a seat for the request when nothing waits for its model:
+        one check per candidate, and no coroutine. None: it waits (admit)."""
         klass, model = shape.klass, shape.model
         if klass not in qs.shares:
             self.demand[model] = now
         if klass == INTERACTIVE and shape.session_id is not None:
             self._session_seen(shape.session_id, now)
         # Both headers checked on every request (a bad one is a 400 whether or not it would have waited).
-        deadline_s = deadline_of(headers, qs.max_deadline_ms)
-        level = level_of(headers, caller.priority, caller.priority_header, qs.class_level, klass)
-        if not self.by_model.get(model):
-            open_ = [b for b in candidates if self.takes(b, klass, model, now, qs)]
-            if open_:
-                return open_
-        return await self._wait(caller.id, level, shape, candidates, now, deadline_s, qs)
+        if headers.get(DEADLINE_HEADER) is not None:
+            deadline_of(headers, qs.max_deadline_ms)
+        if caller.priority_header:
+            level_of(headers, caller.priority, True, qs.class_level, klass)
+        if self.by_model.get(model):
+            return None
+        return [b for b in candidates if self.open(b, klass, model, now, qs)] or None
 
-    async def _wait(self, key: str, level: int, shape: Any, candidates: list, now: float, deadline_s: float | None,
+    async def admit(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
                     qs: QueueSettings) -> list:
-        priority = PRIORITIES[level]
+        """admit_now's candidates, else the ones open after the request's wait in the queue. Raises 503/429
+        (Retry-After) past the queue's bounds, 504 past the client's deadline."""
+        open_ = self.admit_now(headers, caller, shape, candidates, now, qs)
+        if open_ is not None:
+            return open_
+        return await self.wait(headers, caller, shape, candidates, now, qs)
+
+    async def wait(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
+                   qs: QueueSettings) -> list:
+        """The request waits for a seat (admit_now said it must): the candidates open once it has one."""
         model = shape.model
+        deadline_s = deadline_of(headers, qs.max_deadline_ms)
+        level = level_of(headers, caller.priority, caller.priority_header, qs.class_level, shape.klass)
+        priority, key = PRIORITIES[level], caller.id
         if self.order.length >= qs.max_length:
             self._end(priority, "full", 0.0)
             raise overloaded(model, qs.status, qs.retry_after_s)
@@ -218,7 +232,11 @@ class WaitQueue:
     def _pass(self) -> None:
         self._scheduled = False
         qs = self._settings()
-        if qs is None:
+        if qs is None:  # a reload turned the queue off: every waiter goes on, as it would have without a queue
+            for w in list(self.order.in_order()):
+                self.order.grant(w)
+                self._hold(w.item.candidates[0], w.item)
+                w.item.future.set_result(w.item.candidates[0])
             return
         now = time.monotonic()
         full: set[tuple[int, str, str]] = set()  # (backend, class, model) found full in this pass: stays full
