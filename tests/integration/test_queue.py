@@ -326,3 +326,23 @@ async def test_an_interactive_backend_keeps_its_seats_for_the_sessions_that_use_
         await stop(gw)
         await llama.close()
 
+
+
+async def test_a_reload_that_turns_the_queue_off_lets_the_waiting_requests_go_on(gated):
+    from gateway.config import parse_config
+    from gateway.ops.reload import apply
+    from gateway.runtime import build_policy
+
+    gw = await one_seat(gated)
+    try:
+        holder = await hold_the_seat(gw, gated)
+        waiting = ask(gw, "waiting")
+        await queued(gw, 1)
+        off = config([backend("e", "openai", gated.url, {"m": "m"}, seats=1)], queue={"enabled": False})
+        apply(gw.state, parse_config(off, build_policy))
+        await until(lambda: texts(gated) == ["holder", "waiting"], "the waiting request sent on, as without a queue")
+        assert gw.state.queue.length == 0
+        gated.knobs.gate.set()
+        await asyncio.gather(holder, waiting)
+    finally:
+        await stop(gw)
