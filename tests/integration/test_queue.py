@@ -346,3 +346,32 @@ async def test_a_reload_that_turns_the_queue_off_lets_the_waiting_requests_go_on
         await asyncio.gather(holder, waiting)
     finally:
         await stop(gw)
+
+
+async def test_a_messages_client_gets_the_queues_refusals_in_anthropics_shape():
+    engine = await sim("vllm", profile="r9700-vllm")
+    gw = await start_gateway(config([backend("v", "vllm", engine.url, seats=1)], queue={"max_length": 1}))
+    claude = anthropic.AsyncAnthropic(base_url=gw.url, api_key=USER_KEY, max_retries=0)
+    msg = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3000,
+                    "stream": True}
+            holder = await s.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {USER_KEY}"})
+            await holder.content.readany()
+            with pytest.raises(anthropic.APIStatusError) as late:
+                await claude.messages.create(**msg, extra_headers={"x-shapegate-deadline-ms": "100"})
+            assert late.value.status_code == 504 and late.value.body["error"]["type"] == "timeout_error"
+            waiting = asyncio.create_task(claude.messages.create(**msg))
+            await queued(gw, 1)
+            with pytest.raises(anthropic.APIStatusError) as full:
+                await claude.messages.create(**msg)
+            assert full.value.status_code == 529 and full.value.body["error"]["type"] == "overloaded_error"
+            assert full.value.response.headers["retry-after"] == "1"
+            holder.close()
+            assert (await waiting).content[0].text
+    finally:
+        await claude.close()
+        await stop(gw)
+        await engine.close()
