@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
     if args.from_json:
-        print(kit.render_again(Path(args.from_json),
-                               lambda data: report.markdown(data["meta"], report.summarize(data["runs"], data["meta"]))))
+        print(kit.render_again(Path(args.from_json), lambda data: report.markdown(
+            data["meta"], report.summarize(data["runs"], data["meta"]))))
         return 0
     meta = {"started": time.time(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": kit.commit(),
             "dirty": bool(kit.changed_paths()), "machine": kit.host(), "load_before": os.getloadavg(),

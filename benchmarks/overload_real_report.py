@@ -174,15 +174,16 @@ def markdown(meta: dict, summary: dict) -> str:
               "|---" * (len(CLASSES) + 8) + "|"]
     for v, fs in summary["runs"].items():
         for i, f in enumerate(fs):
-            cells = [f"{_p(f['classes'][k]['attained'])} of {f['classes'][k]['n']} (p50 {_s(f['classes'][k]['ttft_p50'])})"
-                     for k in CLASSES]
+            cells = [f"{_p(c['attained'])} of {c['n']} (p50 {_s(c['ttft_p50'])})"
+                     for c in (f["classes"][k] for k in CLASSES)]
             flood = f["flood"]
             fl = "—" if not flood["n"] else f"{_p(flood['attained'])} of {flood['n']}, {flood['failed']}"
             ld = f["load"]
             q = "—" if ld["queue_max"] is None else f"mean {ld['queue_mean']:.1f}, max {ld['queue_max']}"
             lines.append(f"| {v} #{i + 1} | " + " | ".join(cells) + f" | {_p(f['first']['attained'])} | "
                          f"{f['first']['failed']}{' ' + str(f['first']['statuses']) if f['first']['statuses'] else ''}"
-                         f" | {f['first']['tokens']:,} ({f['first']['tokens_in_window']:,}) | {fl} | {_l(ld['vllm'])} | {_l(ld['llamacpp'])} | {q} |")
+                         f" | {f['first']['tokens']:,} ({f['first']['tokens_in_window']:,}) | {fl} | "
+                         f"{_l(ld['vllm'])} | {_l(ld['llamacpp'])} | {q} |")
     lines += ["", "Attainment: the share of a class's requests whose first token came within its target and that "
               "completed (failed ones count as missed). Load: the engines' own running and waiting gauges and the "
               "gateway's queue length, sampled every 0.5 s from the window's start to the end of the drain.", ""]

@@ -58,7 +58,8 @@ async def start_background(g: Gateway, st: RequestState, shape: RequestShape, de
     run.principal, run.t_in, run.raw, run.body, run.shape = st.principal, st.t_in, st.raw, st.body, shape
     run.reason, run.split, run.limit, run.limit_lines = st.reason, st.split, st.limit, st.limit_lines
     st.limit = None  # the run's end settles the key's tokens, from the usage it reports
-    task = asyncio.get_running_loop().create_task(_run(g, run, turn, shape, decision, candidates), name=f"background-{turn.id}")
+    task = asyncio.get_running_loop().create_task(_run(g, run, turn, shape, decision, candidates),
+                                                  name=f"background-{turn.id}")
     assert g.responses is not None
     key = (turn.owner, turn.id)
     g.responses.running[key] = task

@@ -121,7 +121,8 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
     if background:
-        return await start_background(g, st, shape, decision, candidates)  # answered now (queued), run in the background
+        # Answered now (queued), run in the background.
+        return await start_background(g, st, shape, decision, candidates)
     if choice is not None and st.shadow is not None and choice.shadow is not None:
         st.tap = shadow.launch(g, *choice.shadow, st, shape, body, st.raw)  # starts once this request has gone out
     return await dispatch(g, st, shape, decision)

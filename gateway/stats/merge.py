@@ -322,7 +322,8 @@ def merge_queues(reports) -> dict:
                     t = m["ended"].setdefault(str(outcome), {"count": 0, "mean_wait_s": 0.0, "max_wait_s": 0.0})
                     total = t["count"] + n
                     if total:
-                        t["mean_wait_s"] = round((t["mean_wait_s"] * t["count"] + float(e["mean_wait_s"]) * n) / total, 4)
+                        waited = t["mean_wait_s"] * t["count"] + float(e["mean_wait_s"]) * n
+                        t["mean_wait_s"] = round(waited / total, 4)
                     t["count"] = total
                     t["max_wait_s"] = max(t["max_wait_s"], float(e["max_wait_s"]))
         except MALFORMED as e:
