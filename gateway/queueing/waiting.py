@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Final, Iterable, Mapping, Sequence
+from typing import Any, Callable, Final, Iterable, Iterator, Mapping, Sequence
 
 from gateway.config_queue import PRIORITIES, QueueSettings
 from gateway.contracts import INTERACTIVE
@@ -243,7 +243,7 @@ class WaitQueue:
         granted = True
         while granted and self.order.length:
             granted = False
-            for w in self.order.in_order():
+            for w in self._in_turn(now - qs.promote_after_s):
                 e: Entry = w.item
                 b = self._pick(e, now, qs, full)
                 if b is None:
@@ -257,6 +257,16 @@ class WaitQueue:
                     e.future.set_result(b)
                 granted = True
                 break
+
+    def _in_turn(self, promoted_since: float) -> Iterator[Waiter]:
+        """The waiters in the order they get seats: those waiting since before `promoted_since`, longest first, then
+        the rest in the queue's order."""
+        aged = sorted((w for w in self.order.waiting() if w.item.since <= promoted_since), key=lambda w: w.item.since)
+        yield from aged
+        if aged:
+            yield from (w for w in self.order.in_order() if w.item.since > promoted_since)
+        else:
+            yield from self.order.in_order()
 
     def _pick(self, e: Entry, now: float, qs: QueueSettings, full: set) -> Any:
         """The candidate with the most free seats that takes the request now, or None."""

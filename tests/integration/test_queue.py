@@ -375,3 +375,19 @@ async def test_a_messages_client_gets_the_queues_refusals_in_anthropics_shape():
         await claude.close()
         await stop(gw)
         await engine.close()
+
+
+async def test_a_request_that_waited_long_goes_before_higher_priorities(gated):
+    gw = await one_seat(gated, queue={"promote_after_s": 0.3})
+    try:
+        holder = await hold_the_seat(gw, gated)
+        old = ask(gw, "old", key="boss", headers={"x-shapegate-priority": "low"})
+        await queued(gw, 1)
+        await asyncio.sleep(0.5)  # past promote_after_s
+        new = ask(gw, "new", key="boss", headers={"x-shapegate-priority": "high"})
+        await queued(gw, 2)
+        gated.knobs.gate.set()
+        await asyncio.gather(holder, old, new)
+        assert texts(gated) == ["holder", "old", "new"]
+    finally:
+        await stop(gw)
