@@ -80,7 +80,7 @@ def summarize(runs: list[dict], meta: dict) -> dict:
                 "first": _mean([f["first"]["attained"] for f in fs]),
                 "tokens": _mean([f["first"]["tokens"] for f in fs]),
                 "tokens_in_window": _mean([f["first"]["tokens_in_window"] for f in fs]),
-                "failed": sum(f["first"]["failed"] + f["flood"]["failed"] for f in fs)}
+                "failed": sum(f["first"]["failed"] for f in fs)}
             for v, fs in figs.items() if fs}
     return {"runs": figs, "mean": mean, "checks": checks(mean, figs)}
 
@@ -106,8 +106,11 @@ def checks(mean: dict, figs: dict) -> list[dict]:
         lowest = min(f["classes"]["interactive"]["attained"] or 0.0 for f in ons)
         out.append({"what": "interactive sessions, every queue-on run", "target": "100 %", "got": f"{lowest:.0%} "
                     "(the lowest run)", "met": lowest >= 1.0})
-        n = sum(f["first"]["failed"] + f["flood"]["failed"] for f in ons)
-        out.append({"what": "failed requests, every queue-on run", "target": "none", "got": str(n), "met": n == 0})
+        n = sum(f["first"]["failed"] for f in ons)
+        flood = sum(f["flood"]["failed"] for f in ons)
+        out.append({"what": "failed requests of the first key, every queue-on run", "target": "none",
+                    "got": f"{n} (the flooding key's own: {flood}, refused past the queue's bounds by design)",
+                    "met": n == 0})
     fl = mean.get("queue on + flood")
     if on and fl:
         d = (on["first"] - fl["first"]) * 100

@@ -49,8 +49,9 @@ class QueueConfig(Strict):
     max_length: int = Field(1024, ge=1)  # requests waiting in this process; past it, refused at once
     # The longest a request waits for a seat (as long as the first byte of an engine's reply is waited for).
     max_wait_s: float = Field(120.0, gt=0)
-    # A request that has waited this long goes before every priority (the longest waiting first), within its class's
-    # seat share: seats that keep coming free are never all taken by higher priorities while it waits out max_wait_s.
+    # A request that has waited this long goes before every request that has not (in the queue's order among those
+    # that have), within its class's seat share: higher priorities cannot take every seat that frees while it waits
+    # out max_wait_s.
     promote_after_s: float = Field(60.0, gt=0)
     # The share of a backend's seats a class may hold while requests of other classes for the same model came in
     # within reserve_window_s: the rest stay free for them (long outputs cannot take every seat).

@@ -100,13 +100,6 @@ class FairOrder:
             for _, _, k in sorted(waiting, key=lambda t: t[:2]):
                 yield from sorted(w for w in k.heap if not w.gone)
 
-    def waiting(self) -> Iterator[Waiter]:
-        """Every waiter, in no particular order."""
-        for keys in self._levels:
-            for k in keys.values():
-                if k.count:
-                    yield from (w for w in k.heap if not w.gone)
-
     def level_lengths(self) -> list[int]:
         return [sum(k.count for k in keys.values()) for keys in self._levels]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Final, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Final, Iterable, Mapping, Sequence
 
 from gateway.config_queue import PRIORITIES, QueueSettings
 from gateway.contracts import INTERACTIVE
@@ -258,15 +258,14 @@ class WaitQueue:
                 granted = True
                 break
 
-    def _in_turn(self, promoted_since: float) -> Iterator[Waiter]:
-        """The waiters in the order they get seats: those waiting since before `promoted_since`, longest first, then
-        the rest in the queue's order."""
-        aged = sorted((w for w in self.order.waiting() if w.item.since <= promoted_since), key=lambda w: w.item.since)
-        yield from aged
-        if aged:
-            yield from (w for w in self.order.in_order() if w.item.since > promoted_since)
-        else:
-            yield from self.order.in_order()
+    def _in_turn(self, promoted_since: float) -> list[Waiter]:
+        """The waiters in the order they get seats: the queue's order, those waiting since before `promoted_since`
+        first (among themselves in the same order: priority, then the fair share across keys)."""
+        order = list(self.order.in_order())
+        if order and min(w.item.since for w in order) <= promoted_since:
+            return ([w for w in order if w.item.since <= promoted_since]
+                    + [w for w in order if w.item.since > promoted_since])
+        return order
 
     def _pick(self, e: Entry, now: float, qs: QueueSettings, full: set) -> Any:
         """The candidate with the most free seats that takes the request now, or None."""
