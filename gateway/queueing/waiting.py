@@ -234,6 +234,8 @@ class WaitQueue:
         qs = self._settings()
         if qs is None:  # a reload turned the queue off: every waiter goes on, as it would have without a queue
             for w in list(self.order.in_order()):
+                if w.item.future.done():
+                    continue  # its client left (the future cancelled with its task): its task takes it out
                 self.order.grant(w)
                 self._hold(w.item.candidates[0], w.item)
                 w.item.future.set_result(w.item.candidates[0])
@@ -245,6 +247,8 @@ class WaitQueue:
             granted = False
             for w in self._in_turn(now - qs.promote_after_s):
                 e: Entry = w.item
+                if e.future.done():
+                    continue  # its client left (the future cancelled with its task): its task takes it out
                 b = self._pick(e, now, qs, full)
                 if b is None:
                     continue
