@@ -38,8 +38,10 @@ def room(b: Seated, now: float) -> int | None:
         others = int(seen) - b.load_in_flight
         if others > 0:
             occupied += others
-        # The engine's queue now: what it said, and what the gateway sent or saw end since.
-        queued_there = load.waiting is not None and load.waiting + b.in_flight - b.load_in_flight > 0
+        # The engine's queue now: what it said, less what the gateway saw end since (a queue it did not report is
+        # not made up from the requests sent since: those may well have found seats).
+        waiting = load.waiting or 0.0
+        queued_there = waiting > 0 and waiting + b.in_flight - b.load_in_flight > 0
     seats = b.seats or (load.total_slots if load is not None else None)
     if not seats:
         if b.full_at <= 0:

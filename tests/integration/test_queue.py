@@ -391,3 +391,25 @@ async def test_a_request_that_waited_long_goes_before_higher_priorities(gated):
         assert texts(gated) == ["holder", "old", "new"]
     finally:
         await stop(gw)
+
+
+async def test_a_backend_without_a_seat_still_takes_a_failover(gated):
+    other = await FakeEngine().start()
+    gw = await start_gateway(config([backend("full", "openai", gated.url, {"m": "m", "only-full": "m"}, seats=1),
+                                     backend("open", "openai", other.url, {"m": "m"})],
+                                    health={"interval_s": 30.0}))  # (probes would not notice in time)
+    try:
+        holder = asyncio.create_task(client(gw).chat.completions.create(
+            model="only-full", messages=[{"role": "user", "content": "holder"}], max_tokens=4))
+        await until(lambda: texts(gated) == ["holder"])
+        await other.stop()  # the one open backend refuses connections now
+        raw = asyncio.create_task(client(gw).chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "failed over"}], max_tokens=4))
+        await until(lambda: texts(gated) == ["holder", "failed over"], "sent on to the full backend's own queue")
+        gated.knobs.gate.set()
+        await holder
+        reply = await raw
+        assert reply.headers["x-shapegate-backend"] == "full" and "failover from open" in reply.headers[
+            "x-shapegate-reason"]
+    finally:
+        await stop(gw)

@@ -45,6 +45,7 @@ def sample(running=None, waiting=None, total_slots=None) -> LoadSample:
     (Backend(in_flight=4, load_in_flight=4, peak_running=4, full_at=2, load=sample(4, 0)), 1),  # it grew past it
     (Backend(in_flight=2, load_in_flight=2, load=sample(1, 1)), 0),  # no count yet, but the engine queues
     (Backend(in_flight=1, load_in_flight=2, load=sample(1, 1)), None),  # ...and one ended since: its queue is gone
+    (Backend(in_flight=3, load_in_flight=1, load=sample(1, 0)), None),  # sent since, none queued then: not made up
 ])
 def test_room(b, free):
     assert room(b, NOW) == free
