@@ -52,6 +52,7 @@ class BackendState:
         self.capped = 0
         self.peak_running = 0
         self.full_at = 0
+        self.queued_scrapes = 0  # load samples in a row that showed it queueing at the most it ever ran
         self.on_load: Callable[[], None] | None = None  # told of each load sample (a seat may have freed)
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
@@ -106,8 +107,14 @@ class BackendState:
         if running is not None:
             if running > self.peak_running:
                 self.peak_running = int(running)
-            if sample.waiting and running > self.full_at:
-                self.full_at = int(running)  # it queues beyond this many: its seats, as far as is known
+            # Queueing at the most it ever ran, scrape after scrape: full there, its seats as far as is known. (A
+            # queue seen once, or beside fewer running, is a request between two of its steps.)
+            if sample.waiting and running >= self.peak_running:
+                self.queued_scrapes += 1
+                if self.queued_scrapes >= 2 and running > self.full_at:
+                    self.full_at = int(running)
+            else:
+                self.queued_scrapes = 0
         r = self.reported
         if r.observe(sample):
             self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)

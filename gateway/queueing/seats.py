@@ -1,7 +1,7 @@
 """A backend's seats (the requests its engine runs at once) and whether it can take one more request now.
 
 A seat count comes from the configuration (`seats`), else from llama.cpp's slots, else it is learned: once the engine
-was seen queueing requests, the most it was seen running. A count only learned is probed one past while the engine
+was seen queueing requests at the most it ever ran, in two load scrapes in a row, the most it was seen running. A count only learned is probed one past while the engine
 queues nothing, so that it grows to the engine's real limit and the engine's own queue stays at most one deep; an
 engine never seen queueing is never held back by the gateway (nothing says it is full)."""
 
@@ -38,10 +38,12 @@ def room(b: Seated, now: float) -> int | None:
         others = int(seen) - b.load_in_flight
         if others > 0:
             occupied += others
-        # The engine's queue now: what it said, less what the gateway saw end since (a queue it did not report is
-        # not made up from the requests sent since: those may well have found seats).
+        # Full now: it queued at the most it ever ran (fewer running: a request between two of its steps), and its
+        # queue is not gone with what the gateway saw end since (one it did not report is not made up from the
+        # requests sent since: those may well have found seats).
         waiting = load.waiting or 0.0
-        queued_there = waiting > 0 and waiting + b.in_flight - b.load_in_flight > 0
+        queued_there = waiting > 0 and (load.running or 0.0) >= b.peak_running and \
+            waiting + b.in_flight - b.load_in_flight > 0
     seats = b.seats or (load.total_slots if load is not None else None)
     if not seats:
         if b.full_at <= 0:

@@ -46,6 +46,8 @@ def sample(running=None, waiting=None, total_slots=None) -> LoadSample:
     (Backend(in_flight=2, load_in_flight=2, load=sample(1, 1)), 0),  # no count yet, but the engine queues
     (Backend(in_flight=1, load_in_flight=2, load=sample(1, 1)), None),  # ...and one ended since: its queue is gone
     (Backend(in_flight=3, load_in_flight=1, load=sample(1, 0)), None),  # sent since, none queued then: not made up
+    (Backend(in_flight=3, load_in_flight=3, peak_running=5, load=sample(2, 1)), None),  # queued beside fewer than it
+    # ran before: a request between two of its steps, not a full engine
 ])
 def test_room(b, free):
     assert room(b, NOW) == free
@@ -89,3 +91,17 @@ def test_a_bad_deadline_is_a_400(value):
     with pytest.raises(GatewayError) as e:
         deadline_of({"x-shapegate-deadline-ms": value}, 60_000)
     assert e.value.status == 400 and e.value.code == "invalid_deadline"
+
+
+def test_seats_are_learned_from_a_queue_at_the_most_it_ran_two_scrapes_in_a_row():
+    from gateway.config import BackendConfig, GatewayConfig
+    from gateway.fleet.pool import BackendState
+
+    bc = BackendConfig(id="v", engine="vllm", url="http://127.0.0.1:1", models={"m": "m"})
+    b = BackendState(bc, object(), GatewayConfig(auth={"enabled": False}, backends=[bc]))
+    for running, waiting, full_at in [(3, 1, 0),  # once: not yet
+                                      (5, 0, 0), (2, 1, 0), (2, 1, 0),  # beside fewer than its most (5): steps
+                                      (5, 2, 0), (5, 3, 5),  # at its most, twice: full at 5
+                                      (6, 0, 5), (6, 1, 5), (6, 4, 6)]:  # it grew
+        b.take_load(sample(running, waiting))
+        assert b.full_at == full_at, (running, waiting)
