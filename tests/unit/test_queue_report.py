@@ -26,3 +26,30 @@ def test_an_empty_queue_reports_every_priority():
     qs = QueueSettings(QueueConfig(), AdmissionConfig())
     q = WaitQueue(lambda: qs)
     assert q.report() == {"length": 0, "priorities": {p: {"length": 0, "ended": {}} for p in ("high", "normal", "low")}}
+
+
+def test_the_metrics_label_configured_keys_by_id_and_every_other_key_as_other():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway.observe.lean_metrics import LeanCounter, LeanHistogram
+    from gateway.observe.queue_metrics import QueueMetrics
+    from gateway.queueing.order import FairOrder
+
+    class Queue:
+        order = FairOrder(3, lambda key: 1.0)
+
+    r = CollectorRegistry()
+    m = QueueMetrics(lambda *a: LeanHistogram(*a), lambda *a: LeanCounter(*a), r, lambda: {"team-a"})
+    q = Queue()
+    for key in ("team-a", "team-a", "runtime-1", "runtime-2"):
+        q.order.add(1, key, 0.0, None)
+    m.changed(q)
+    text = generate_latest(r).decode()
+    assert 'shapegate_queue_length{priority="normal"} 4.0' in text
+    assert 'shapegate_queue_length_by_key{key="team-a"} 2.0' in text
+    assert 'shapegate_queue_length_by_key{key="other"} 2.0' in text and "runtime-1" not in text
+    for w in list(q.order.in_order()):
+        q.order.remove(w)
+    m.changed(q)
+    text = generate_latest(r).decode()
+    assert 'shapegate_queue_length_by_key{key="team-a"} 0.0' in text  # not its last length
