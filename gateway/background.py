@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 import orjson
@@ -43,8 +44,10 @@ class Captured:
         raise RuntimeError("a background run is never streamed")  # (its upstream body has no `stream`)
 
 
-async def start_background(g: Gateway, st: RequestState, shape: RequestShape, decision: Decision) -> Any:
-    """Record the response as queued, answer with it, and run the request in a task of its own."""
+async def start_background(g: Gateway, st: RequestState, shape: RequestShape, decision: Decision,
+                           candidates: list) -> Any:
+    """Record the response as queued, answer with it, and run the request in a task of its own (which waits in the
+    gateway's queue first while every candidate is saturated)."""
     turn = st.turn
     queued = turn.shell("queued")
     await turn.commit(queued)
@@ -55,7 +58,8 @@ async def start_background(g: Gateway, st: RequestState, shape: RequestShape, de
     run.principal, run.t_in, run.raw, run.body, run.shape = st.principal, st.t_in, st.raw, st.body, shape
     run.reason, run.split, run.limit, run.limit_lines = st.reason, st.split, st.limit, st.limit_lines
     st.limit = None  # the run's end settles the key's tokens, from the usage it reports
-    task = asyncio.get_running_loop().create_task(_run(g, run, turn, shape, decision), name=f"background-{turn.id}")
+    task = asyncio.get_running_loop().create_task(_run(g, run, turn, shape, decision, candidates),
+                                                  name=f"background-{turn.id}")
     assert g.responses is not None
     key = (turn.owner, turn.id)
     g.responses.running[key] = task
@@ -71,10 +75,17 @@ async def start_background(g: Gateway, st: RequestState, shape: RequestShape, de
                        orjson.dumps(queued))
 
 
-async def _run(g: Gateway, run: RequestState, turn: Any, shape: RequestShape, decision: Decision) -> None:
+async def _run(g: Gateway, run: RequestState, turn: Any, shape: RequestShape, decision: Decision,
+               candidates: list) -> None:
     status = 500
     try:
         async with asyncio.timeout(g.cfg.responses.background_timeout_s):
+            qs = g.hot.queue
+            if qs is not None and candidates:  # a seat first, as any request: the policy's order among the open ones
+                assert run.principal is not None
+                open_ = {b.id for b in await g.queue.admit(run.ex.headers, run.principal, shape, candidates,
+                                                           time.monotonic(), qs)}
+                decision = Decision(tuple(v for v in decision.ranked if v.id in open_), decision.reason)
             done = await dispatch(g, run, shape, decision)
         status = done.status
         resp = orjson.loads(done.body) if status == 200 else None

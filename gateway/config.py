@@ -14,6 +14,7 @@ from backends import engine_names
 from gateway.config_base import CLASS_NAMES, Strict
 from gateway.config_errors import did_you_mean, error_lines
 from gateway.config_experiments import ExperimentConfig, ProbeConfig
+from gateway.config_queue import AdmissionConfig, Priority, QueueConfig
 from gateway.config_usage import ObserveConfig, UsageConfig
 
 # What config.example.toml has instead of a digest: copying the example must not give a usable key.
@@ -84,6 +85,10 @@ class ApiKey(Strict):
     sha256: str
     admin: bool = False
     limits: KeyLimits | None = None  # None: the [limits] defaults
+    # Where its requests wait when the backends are saturated ([queue]): None, each request's class decides;
+    # priority_header: its requests may set their own with x-shapegate-priority.
+    priority: Priority | None = None
+    priority_header: bool = False
 
     @field_validator("sha256")
     @classmethod
@@ -185,24 +190,6 @@ class HealthConfig(Strict):
     startup_grace_s: float = Field(30.0, gt=0)
 
 
-class AdmissionConfig(Strict):
-    """When every candidate is saturated, answer at once with Retry-After instead of queueing without bound."""
-
-    max_waiting: float | None = Field(None, ge=0)
-    max_in_flight: int | None = Field(None, ge=1)
-    slot_classes: tuple[str, ...] = ()
-    status: Literal[429, 503] = 503
-    retry_after_s: int = Field(1, ge=1, le=120)
-
-    @field_validator("slot_classes")
-    @classmethod
-    def _known_slot_classes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for name in v:
-            if name not in CLASS_NAMES:
-                raise ValueError(f"unknown class {name!r}; expected one of {', '.join(CLASS_NAMES)}")
-        return v
-
-
 class LimitsConfig(KeyLimits):
     """[limits]: every key's defaults (rpm, tpm, per-model limits); a key's own `limits` replace them."""
 
@@ -292,6 +279,9 @@ class BackendConfig(Strict):
     # overrides it, or supplies it for an engine that does not.
     max_context: int | None = Field(None, ge=1)
     engine_private_fields: bool | None = None  # None: as [server] engine_private_fields says
+    # Requests the engine runs at once (vLLM --max-num-seqs, SGLang --max-running-requests): the gateway's queue
+    # holds the rest. None: llama.cpp's slots as it reports them, else the most the engine was seen running.
+    seats: int | None = Field(None, ge=1)
 
     @field_validator("engine")
     @classmethod
@@ -340,6 +330,7 @@ class GatewayConfig(Strict):
     shape: ShapeConfig = ShapeConfig()
     health: HealthConfig = HealthConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    queue: QueueConfig = QueueConfig()
     state: StateConfig = StateConfig()
     responses: ResponsesConfig = ResponsesConfig()
     metrics: MetricsConfig = MetricsConfig()

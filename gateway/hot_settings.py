@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import GatewayConfig
+from gateway.config_queue import QueueSettings
 
 
 class HotSettings:
@@ -43,6 +44,11 @@ class HotSettings:
         self.stats_enabled = cfg.stats.enabled
         self.shape = cfg.shape
         self.admission = cfg.admission
+        # [queue]: None when off (then [admission] refuses at once, as without a queue); the classes whose requests
+        # in flight are counted per backend against their seat share.
+        self.queue = QueueSettings(cfg.queue, cfg.admission) if cfg.queue.enabled else None
+        self.capped = frozenset(cfg.queue.seat_shares) if cfg.queue.enabled else frozenset()
+        self.key_ids = frozenset(k.id for k in cfg.auth.keys)  # the queue's metrics label these keys by id
         self.limits = cfg.limits
         self.health = cfg.health
 

@@ -102,7 +102,18 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     if not candidates:
         raise g.pool.unavailable(shape.model, now)
     candidates = fitting(g.pool, g.prompt_sizer, shape, candidates, now)
-    candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)
+    background = st.turn is not None and st.turn.background
+    full: list[BackendState] = []  # candidates without a seat now: ranked last, for failover only
+    if hot.queue is None:
+        candidates = admit(candidates, shape.model, shape.klass, now, hot.admission)  # refused at once when saturated
+    elif not background:  # (a background response is answered at once, and waits in its own task: background.py)
+        # At once when a candidate has a seat free and nothing waits for the model; else after a wait in the queue.
+        open_ = g.queue.admit_now(headers, caller, shape, candidates, now, hot.queue)
+        if open_ is None:
+            open_ = await g.queue.wait(headers, caller, shape, candidates, now, hot.queue)
+        if len(open_) < len(candidates):
+            full = [b for b in candidates if b not in open_]
+        candidates = open_
     policy = g.policy_for(shape.model)
     affinity, cached = None, 0
     if g.affinity is not None:
@@ -112,10 +123,13 @@ async def handle(g: Gateway, st: RequestState) -> Any:
     decision = policy.rank(route_in) if arm is None else experiments.rank_arm_first(policy, route_in, arm)
     if pinned is not None:
         decision = Decision(decision.ranked, "stored response")
+    if full:  # an engine's own queue is still better than a failed request
+        decision = Decision((*decision.ranked, *(b.view(now) for b in full)), decision.reason)
     g.metrics.decision(g.policy_name(shape.model), decision.ranked[0].id if decision.ranked else "", decision.reason)
     st.reason = decision.reason
-    if st.turn is not None and st.turn.background:
-        return await start_background(g, st, shape, decision)  # answered now (queued), run in the background
+    if background:
+        # Answered now (queued), run in the background.
+        return await start_background(g, st, shape, decision, candidates)
     if choice is not None and st.shadow is not None and choice.shadow is not None:
         st.tap = shadow.launch(g, *choice.shadow, st, shape, body, st.raw)  # starts once this request has gone out
     return await dispatch(g, st, shape, decision)

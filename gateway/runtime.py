@@ -29,6 +29,7 @@ from gateway.limits.redis_buckets import SharedBuckets
 from gateway.observe.access_log import AccessEntry, AccessLog
 from gateway.observe.metrics import Metrics
 from gateway.observe.tracing import RequestRecord, RequestTracer, make_tracer
+from gateway.queueing.waiting import WaitQueue
 from gateway.routing.affinity import AffinityIndex
 from gateway.routing.context import PromptSizer
 from gateway.routing.request import ExperimentRef, RequestState
@@ -110,7 +111,7 @@ class Gateway:
         self.pool = Pool([])
         # [upstream] pool_limit: client requests in flight to all engines together (each holds a connection).
         self.upstream_slots = Slots(cfg.upstream.pool_limit)
-        self.metrics = Metrics(self.pool.all)
+        self.metrics = Metrics(self.pool.all, lambda: self.hot.key_ids)
         self.estimator = OutputEstimator()
         self.prompt_sizer = PromptSizer()  # how far prompt estimates are off, per model (context fits)
         self._to_record: list[EndedAttempt] = []  # attempts ended in this loop turn, recorded at its end (record_soon)
@@ -150,6 +151,8 @@ class Gateway:
                                                 st.redis_url if st.backend == "redis" else None, st.key_prefix,
                                                 st.redis_timeout_s)
         self.background_tasks: set = set()  # `background: true` responses running here (gateway/background.py)
+        # Requests waiting for a seat while every backend for them is saturated ([queue]): this process's own.
+        self.queue = WaitQueue(lambda: self.hot.queue, self.metrics.queue_end, self.metrics.queue_changed)
         self.request_ids = RequestIds()
         self.started = int(time.time())
         self._sessions: dict[str, int] = {}
@@ -187,7 +190,9 @@ class Gateway:
             connect_timeout=self.cfg.upstream.connect_timeout_s, idle_timeout=self.cfg.upstream.idle_timeout_s,
             pool_limit=self.cfg.upstream.pool_limit_per_backend, keepalive_s=self.cfg.upstream.keepalive_s,
             shared_limit=self.upstream_slots)
-        return BackendState(bc, adapter, self.cfg)
+        b = BackendState(bc, adapter, self.cfg)
+        b.on_load = self.queue.wake  # a fresh load sample may show a seat free
+        return b
 
     @property
     def affinity(self) -> AffinityIndex | None:

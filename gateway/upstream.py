@@ -138,6 +138,9 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
     ex = st.ex
     api = st.api
     b.in_flight += 1
+    capped = shape.klass in cfg.capped  # a class with a share of the seats (gateway/queueing/): counted per backend
+    if capped:
+        b.capped += 1
     running_at_start = b.in_flight - 1
     started = time.monotonic()
     begin(b, started)
@@ -233,6 +236,10 @@ async def attempt(g: Gateway, st: RequestState, shape: RequestShape, b: BackendS
         raise
     finally:
         b.in_flight -= 1
+        if capped:
+            b.capped -= 1
+        if g.queue.length:
+            g.queue.wake()  # a seat freed: the queue's first request that fits takes it
         g.session_exit(session)
         if reply is not None:
             reply.close()

@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.cli.ab import DEFAULT_URL, KEY_ENV, URL_ENV
 from gateway.cli.admin_http import AdminError, AdminRefused, admin_call
+from gateway.config_queue import PRIORITIES
 
 LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "tokens_per_month")
 NOT_SHOWN_AGAIN = "Give the key to its client: the gateway keeps only its sha256 and cannot show it again."
@@ -78,12 +79,17 @@ def create(args: argparse.Namespace) -> int:
             limits[name] = getattr(args, name)
     if limits or args.limits is not None:
         body["limits"] = limits
+    if args.priority is not None:
+        body["priority"] = args.priority
+    if args.priority_header:
+        body["priority_header"] = True
     made = call(args, "POST", "/admin/keys", body)
     if args.json:
         print(json.dumps(made, indent=2))
     else:
         print(f"id:      {made['id']}\nkey:     {made['key']}\nadmin:   {str(made['admin']).lower()}\n"
-              f"limits:  {_limits(made.get('limits'))}")
+              f"limits:  {_limits(made.get('limits'))}\npriority: {made.get('priority') or 'by class'}"
+              f"{' (x-shapegate-priority allowed)' if made.get('priority_header') else ''}")
     print(NOT_SHOWN_AGAIN, file=sys.stderr)
     return 0
 
@@ -152,6 +158,10 @@ def add_parsers(actions: Any) -> None:
     c.add_argument("--limits", type=_limits_json, help="the key's limits as JSON: rpm, tpm, tokens_per_day, "
                    "tokens_per_month, models "
                    "({model: {rpm, tpm}}); --rpm and --tpm override its own")
+    c.add_argument("--priority", choices=PRIORITIES, help="where its requests wait in the gateway's queue "
+                   "(default: by each request's class)")
+    c.add_argument("--priority-header", action="store_true",
+                   help="its requests may set their own priority with the x-shapegate-priority header")
     c.set_defaults(keys_run=create)
     ls = actions.add_parser("list", help="list a running gateway's keys (never the keys themselves)")
     common(ls)

@@ -45,6 +45,15 @@ class BackendState:
         self.retry_auth_at = 0.0
         self.reconfigure(cfg)
         self.in_flight = 0
+        # The queue's view (gateway/queueing/): seats granted to queued requests not yet gone out, requests in flight
+        # or granted of a class with a seat share, the most requests the engine was seen running, and the most it
+        # was seen running while it queued more.
+        self.held = 0
+        self.capped = 0
+        self.peak_running = 0
+        self.full_at = 0
+        self.queued_scrapes = 0  # load samples in a row that showed it queueing at the most it ever ran
+        self.on_load: Callable[[], None] | None = None  # told of each load sample (a seat may have freed)
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
         self.load: LoadSample | None = None
@@ -64,6 +73,7 @@ class BackendState:
         """Its own settings: at creation, and when a reload changes what it serves (same engine and URL)."""
         self.cfg = cfg
         self.models = cfg.models  # public name -> the engine's own name
+        self.seats = cfg.seats
         self.classes = frozenset(cfg.classes) if cfg.classes is not None else None
         # Read for every request: copied out of the pydantic model, each of whose reads costs a few hundred
         # instructions (its __getattr__ hook).
@@ -93,9 +103,23 @@ class BackendState:
         """A new load sample: routing sees it at once; the engine's own latency figures are folded in and,
         while the gateway has measured little here itself, stand in for the latency model's prior."""
         self.load, self.load_in_flight = sample, self.in_flight
+        running = sample.running
+        if running is not None:
+            if running > self.peak_running:
+                self.peak_running = int(running)
+            # Queueing at the most it ever ran, scrape after scrape: full there, its seats as far as is known. (A
+            # queue seen once, or beside fewer running, is a request between two of its steps.)
+            if sample.waiting and running >= self.peak_running:
+                self.queued_scrapes += 1
+                if self.queued_scrapes >= 2 and running > self.full_at:
+                    self.full_at = int(running)
+            else:
+                self.queued_scrapes = 0
         r = self.reported
         if r.observe(sample):
             self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)
+        if self.on_load is not None:
+            self.on_load()
 
     def window(self, model: str) -> int | None:
         """Tokens one request for `model` may hold here: the configured max_context, else what the engine

@@ -35,7 +35,8 @@ class Authenticator:
     def __init__(self, cfg: AuthConfig, runtime: KeyStore | None = None) -> None:
         self.enabled = cfg.enabled
         # Looked up by digest: the lookup's timing depends on the digest, not on the key's prefix.
-        self._by_digest = {k.sha256: (k.sha256, principal(k.id, k.admin, k.limits, k.sha256)) for k in cfg.keys}
+        self._by_digest = {k.sha256: (k.sha256, principal(k.id, k.admin, k.limits, k.sha256, k.priority,
+                                                          k.priority_header)) for k in cfg.keys}
         self._runtime = runtime
         self._generation = runtime.generation if runtime is not None else 0
         # Keys that already proved valid, so that a client's every request does not pay for SHA-256. Only

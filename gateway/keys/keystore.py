@@ -103,13 +103,15 @@ class KeyStore:
         return self.backend.kind
 
     def _swap(self, records: Records) -> None:
-        self.by_digest = {r.sha256: (r.sha256, principal(r.id, r.admin, r.limits, r.sha256)) for r in records.values()}
+        self.by_digest = {r.sha256: (r.sha256, principal(r.id, r.admin, r.limits, r.sha256, r.priority,
+                                                                 r.priority_header)) for r in records.values()}
         self.records = records
         self.generation += 1
 
     # -- changes (admin routes) ----------------------------------------------------------------------
     async def create(self, key_id: str | None, admin: bool, limits: KeyLimits | None,
-                     taken: frozenset[str] = frozenset()) -> tuple[str, KeyRecord]:
+                     taken: frozenset[str] = frozenset(), priority: str | None = None,
+                     priority_header: bool = False) -> tuple[str, KeyRecord]:
         """A new key and its record; KeyExists when `key_id` is taken (here or in `taken`), StoreUnavailable
         when the store cannot take it (then nothing changed)."""
         for _ in range(5):  # a generated id that happens to exist is drawn again
@@ -119,7 +121,8 @@ class KeyStore:
                     raise KeyExists(rid)
                 continue
             key = new_key()
-            rec = KeyRecord(id=rid, sha256=hash_key(key), admin=admin, limits=limits, created=round(time.time(), 3))
+            rec = KeyRecord(id=rid, sha256=hash_key(key), admin=admin, limits=limits, priority=priority,
+                            priority_header=priority_header, created=round(time.time(), 3))
             async with self._lock:
                 try:
                     fresh = await self.backend.add(rec)

@@ -17,6 +17,8 @@ class Principal:
     # Whose state (stored responses, conversations) the key's requests reach: the key itself, not only its id, so
     # that a key made again under a revoked key's id reaches nothing of the revoked key's (see owner_of).
     owner: str = "-"
+    priority: str | None = None  # where its requests wait in [queue]; None: each request's class decides
+    priority_header: bool = False  # its requests may set their own priority (x-shapegate-priority)
 
 
 def owner_of(key_id: str, digest: str) -> str:
@@ -25,9 +27,10 @@ def owner_of(key_id: str, digest: str) -> str:
     return hashlib.sha256(f"shapegate-owner\0{key_id}\0{digest}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def principal(key_id: str, admin: bool, limits: KeyLimits | None, digest: str) -> Principal:
+def principal(key_id: str, admin: bool, limits: KeyLimits | None, digest: str, priority: str | None = None,
+              priority_header: bool = False) -> Principal:
     """The principal of a key known by its digest."""
-    return Principal(key_id, admin, limits, owner_of(key_id, digest))
+    return Principal(key_id, admin, limits, owner_of(key_id, digest), priority, priority_header)
 
 
 def hash_key(key: str) -> str:

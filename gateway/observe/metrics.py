@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from gateway.contracts import OK, REJECTED
 from gateway.observe.lean_metrics import LeanCollector, LeanCounter, LeanCounterChild, LeanFiles, LeanHistogram
+from gateway.observe.queue_metrics import QueueMetrics
 
 # LLM latencies span milliseconds (ITL) to minutes (long generations).
 TTFT_BUCKETS: Final = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -136,7 +137,7 @@ class Metrics:
     copies its values into that directory every 0.2 s (LeanFiles, PoolGauges); a scrape of any worker merges them.
     """
 
-    def __init__(self, backends: Callable[[], Iterable]) -> None:
+    def __init__(self, backends: Callable[[], Iterable], key_ids: Callable[[], Iterable[str]] = tuple) -> None:
         self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         r = self.registry = CollectorRegistry()
         lean: list[LeanHistogram | LeanCounter] = []
@@ -220,6 +221,7 @@ class Metrics:
                                   "fired (work or a pause that held the loop)", [], LOOP_LAG_BUCKETS)
         self.gc_pause = histogram("shapegate_gc_pause_seconds", "Garbage collections, by the oldest generation "
                                   "collected", ["generation"], LOOP_LAG_BUCKETS)
+        self.queue = QueueMetrics(histogram, counter, r, key_ids)
         Gauge("shapegate_workers", "Gateway worker processes serving", registry=r,
               multiprocess_mode="livesum").set(1)
         if self.multiprocess_dir:
@@ -366,6 +368,12 @@ class Metrics:
 
     def replica_import(self, kind: str, n: int) -> None:
         self.replica_imports.labels(kind).inc(n)
+
+    def queue_end(self, priority: str, outcome: str, waited: float) -> None:
+        self.queue.ended(priority, outcome, waited)
+
+    def queue_changed(self, queue) -> None:
+        self.queue.changed(queue)
 
     def replica_sync_error(self) -> None:
         self.replica_sync_errors.inc()

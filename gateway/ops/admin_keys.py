@@ -11,6 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.config import KeyLimits
+from gateway.config_queue import Priority
 from gateway.errors import GatewayError, bad_request
 from gateway.keys.keystore import ID_PATTERN, KeyExists, KeyNotFound, KeyRecord, StoreUnavailable
 from gateway.keys.principal import hash_key
@@ -31,6 +32,8 @@ class NewKey(BaseModel):
     id: str | None = Field(None, pattern=ID_PATTERN)  # generated when absent
     admin: bool = False
     limits: KeyLimits | None = None  # None: the [limits] defaults
+    priority: Priority | None = None  # where its requests wait in the queue; None: by each request's class
+    priority_header: bool = False  # its requests may set their own priority (x-shapegate-priority)
 
 
 def parse_new_key(raw: bytes) -> NewKey:
@@ -43,7 +46,8 @@ def parse_new_key(raw: bytes) -> NewKey:
             raise bad_request("The request body is not valid JSON.", code="invalid_json") from None
         param = ".".join(str(p) for p in err["loc"]) or None
         if err["type"] == "extra_forbidden":
-            msg = "unknown field; expected id, admin, limits (rpm, tpm, tokens_per_day, tokens_per_month, models)"
+            msg = ("unknown field; expected id, admin, limits (rpm, tpm, tokens_per_day, tokens_per_month, models), "
+                   "priority, priority_header")
         elif err["type"] == "string_pattern_mismatch":
             msg = "must be 1-64 characters (letters, digits, `_`, `.`, `:`, `-`)"
         else:
@@ -103,7 +107,8 @@ async def create_key(request: web.Request) -> web.Response:
     spec = parse_new_key(await request.read())
     refuse_key_as_id(g, spec.id)
     try:
-        key, rec = await g.keys.create(spec.id, spec.admin, spec.limits, taken=_config_ids(g))
+        key, rec = await g.keys.create(spec.id, spec.admin, spec.limits, taken=_config_ids(g), priority=spec.priority,
+                                       priority_header=spec.priority_header)
     except KeyExists:
         raise GatewayError(409, f"A key with id {spec.id or '(generated)'!r} exists already; choose another id "
                            "or revoke it first.",
@@ -119,7 +124,8 @@ async def create_key(request: web.Request) -> web.Response:
 
 def _listed(rec: KeyRecord, last_used: float | None) -> dict:
     return {"id": rec.id, "admin": rec.admin, "limits": rec.limits.model_dump() if rec.limits else None,
-            "created": rec.created, "last_used": last_used, "source": "runtime"}
+            "priority": rec.priority, "priority_header": rec.priority_header, "created": rec.created,
+            "last_used": last_used, "source": "runtime"}
 
 
 async def key_listing(g: Gateway) -> list[dict]:
@@ -127,7 +133,8 @@ async def key_listing(g: Gateway) -> list[dict]:
     used this day and month (its own, or the [limits] defaults it falls back on); never a key or a digest."""
     used = {k: round(t, 3) for k, t in (await g.keys.last_used()).items()}
     data = [{"id": k.id, "admin": k.admin, "limits": k.limits.model_dump() if k.limits else None,
-             "created": None, "last_used": used.get(k.id), "source": "config"} for k in g.cfg.auth.keys]
+             "priority": k.priority, "priority_header": k.priority_header, "created": None,
+             "last_used": used.get(k.id), "source": "config"} for k in g.cfg.auth.keys]
     data += [_listed(r, used.get(r.id)) for r in sorted(g.keys.records.values(), key=lambda r: (r.created, r.id))]
     limits = {k.id: k.limits for k in g.cfg.auth.keys} | {r.id: r.limits for r in g.keys.records.values()}
     quotas = await g.limiter.quota_report([(kid, own if own is not None else g.hot.limits)

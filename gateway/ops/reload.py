@@ -167,6 +167,7 @@ def apply(g, new: GatewayConfig) -> ReloadPlan:
             pool.add(b)
     for b in pool.all():
         b.apply_settings(new)
+    g.queue.wake()  # new seats, shares or backends (or the queue off): the waiting requests are looked at again
     return p
 
 

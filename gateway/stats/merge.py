@@ -63,7 +63,8 @@ def take_summary(g, now_m: float | None = None, now_wall: float | None = None) -
     sh = g.sharing
     return {"v": VERSION, "worker": sh.worker, "replica": sh.replica, "taken_at": now_wall, "window_s": window,
             "enabled": g.cfg.stats.enabled, "backends": backends, "rejected": rejected, "reasons": reasons,
-            "keys": g.key_usage.summary(now_m, window)}  # per key id (gateway/stats/key_usage.py)
+            "keys": g.key_usage.summary(now_m, window),  # per key id (gateway/stats/key_usage.py)
+            "queue": g.queue.report()}  # requests waiting for a seat in this process (gateway/queueing/)
 
 
 # -- merging ------------------------------------------------------------------------------------------
@@ -301,7 +302,33 @@ def render(summaries: list[dict], now_wall: float) -> dict:
                    "breaker_openings": sum(r["breaker_openings"] for r in rows),
                    "in_flight": sum(r["in_flight"] for r in rows)},
         "workers": _workers(group["summaries"], now_wall),
+        "queue": merge_queues(s.get("queue") for s in group["summaries"]),
     }
+
+
+def merge_queues(reports) -> dict:
+    """Every process's queue in one: lengths and how waits ended added up (each process keeps its own queue)."""
+    out: dict = {"length": 0, "priorities": {}}
+    for q in reports:
+        if not isinstance(q, dict):
+            continue  # (a process from before the queue, or a malformed summary)
+        try:
+            out["length"] += _count(q["length"])
+            for p, row in q["priorities"].items():
+                m = out["priorities"].setdefault(str(p), {"length": 0, "ended": {}})
+                m["length"] += _count(row["length"])
+                for outcome, e in row["ended"].items():
+                    n = _count(e["count"])
+                    t = m["ended"].setdefault(str(outcome), {"count": 0, "mean_wait_s": 0.0, "max_wait_s": 0.0})
+                    total = t["count"] + n
+                    if total:
+                        waited = t["mean_wait_s"] * t["count"] + float(e["mean_wait_s"]) * n
+                        t["mean_wait_s"] = round(waited / total, 4)
+                    t["count"] = total
+                    t["max_wait_s"] = max(t["max_wait_s"], float(e["max_wait_s"]))
+        except MALFORMED as e:
+            log.warning("a queue summary was malformed and skipped: %s", type(e).__name__)
+    return out
 
 
 def _class_mix() -> dict:

@@ -9,13 +9,12 @@ import orjson
 from benchmarks.loopback import free_port
 from tests.fake_engine import FakeEngine, Knobs
 from tests.gateway_harness import ADMIN_KEY, USER_KEY, gateway_config, start_gateway
-from tests.integration.browser import LIVE_JS, FormLogin, chromium_available, open_page
+from tests.integration.browser import LIVE_JS, FormLogin, open_page
 
 TOO_LONG = b'{"error":{"message":"prompt too long","type":"BadRequestError","param":null,"code":400}}'
 
 
-async def test_browser_shows_outcomes_as_the_feed_has_them():
-    assert chromium_available(), "/usr/bin/chromium is missing: apt-get install -y chromium"
+async def test_browser_shows_outcomes_as_the_feed_has_them(chromium):
     good = await FakeEngine(Knobs(chunk_delay=0.002)).start()
     busy = await FakeEngine(Knobs(fail_status=503, retry_after="60")).start()
     gw = await start_gateway(gateway_config([
@@ -70,6 +69,7 @@ async def test_browser_shows_outcomes_as_the_feed_has_them():
     for m in ("itl", "e2e"):
         assert value(f"table:{m}_p99:good") == rows["good"]["overall"][f"{m}_ms"]["p99"] > 0
     assert value("totals:rejected") == feed["totals"]["rejected"] == 1
+    assert value("totals:queued") == feed["queue"]["length"] == 0 and shown["totals:queued"]["text"] == "0"
     assert value("totals:error_rate") == feed["totals"]["error_rate"]
     assert value("totals:workers") == 1 and shown["totals:workers"]["text"] == "1"
     assert value("reason:default:round_robin") == feed["classes"]["default"]["reasons"]["round_robin"] == 6

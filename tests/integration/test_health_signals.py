@@ -143,7 +143,8 @@ async def test_no_idle_slot_for_a_class_that_needs_one_is_refused_with_retry_aft
     ll = await sim("llamacpp", slots=1, profile="r9700-llamacpp-vulkan")
     gw = await start_gateway(gateway_config(
         [backend("ll", "llamacpp", ll.url)],
-        admission={"slot_classes": ["interactive", "default", "long_output", "long_prompt"], "retry_after_s": 2}))
+        admission={"slot_classes": ["interactive", "default", "long_output", "long_prompt"], "retry_after_s": 2},
+        queue={"enabled": False}))  # refused at once: no queue to wait in
     try:
         b = gw.state.pool.get("ll")
         await until(lambda: b.fresh_load(time.monotonic()) is not None)

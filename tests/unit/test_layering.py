@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.apis",),  # the public APIs: routes, bodies, events and error shapes, one module each
     ("backends", "policies"),  # engine adapters and routing policies: plug-ins on the contracts
     ("gateway.config_base", "gateway.config_errors"),
-    ("gateway.config_experiments", "gateway.config_usage"),
+    ("gateway.config_experiments", "gateway.config_usage", "gateway.config_queue"),
     ("gateway.config",),
     # the HTTP server (handed its handler: it knows no routing), self-reporting, per-request settings, the
     # dashboard's page and the engine simulator: each stands on the configuration at most
@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gateway.limits",),
     ("gateway.state",),  # the state kept for clients: stored responses, conversations (on the limits' Redis wire)
     ("gateway.routing",),  # its request state is a leaf: it imports only the contracts and the Api type
+    ("gateway.queueing",),  # the queue in front of saturated backends: seats, order, waiting
     ("gateway.experiments",),
     ("gateway.runtime",),  # the long-lived objects of one gateway
     ("gateway.upstream",),  # dispatch with failover, one attempt, the relay of the reply

@@ -205,6 +205,12 @@
     set('rejected', t.rejected, t.rejected == null ? '—' : String(t.rejected));
     $('[data-testid="totals:error_rate"]').classList.toggle('bad', (t.error_rate ?? 0) >= 0.05);
     $('[data-testid="totals:rejected"]').classList.toggle('bad', (t.rejected ?? 0) > 0);
+    // Requests waiting in the gateway's queue for a seat, and per priority in its title (with how waits ended).
+    const q = feed.queue || null;
+    set('queued', q?.length, q == null ? '—' : String(q.length));
+    $('[data-testid="totals:queued"]').title = Object.entries(q?.priorities || {}).map(([p, row]) =>
+      `${p}: ${row.length} waiting; ` + Object.entries(row.ended || {}).map(([o, e]) =>
+        `${o} ${e.count} (mean ${fmt(e.mean_wait_s)} s)`).join(', ')).join('\n');
     // Every worker of the process group adds its summary; fewer than expected means one has not reported.
     const w = feed.workers || {};
     const node = $('[data-testid="totals:workers"]');

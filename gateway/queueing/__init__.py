@@ -1,0 +1,1 @@
+"""The gateway's queue in front of saturated backends: seats, the order requests wait in, and the waiting itself."""

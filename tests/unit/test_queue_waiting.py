@@ -1,0 +1,100 @@
+"""The queue's waiting, without a network: seats held for a grant and given back, a client that leaves at the worst
+moment (its future cancelled before its task runs), and the bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.config_queue import AdmissionConfig, QueueConfig, QueueSettings
+from gateway.errors import GatewayError
+from gateway.queueing.waiting import WaitQueue
+
+
+@dataclass
+class Backend:
+    in_flight: int = 1
+    seats: int | None = 1
+    load_in_flight: int = 0
+    peak_running: int = 0
+    full_at: int = 0
+    held: int = 0
+    capped: int = 0
+    interactive: bool = False
+
+    def usable(self, now: float) -> bool:
+        return True
+
+    def fresh_load(self, now: float):
+        return None
+
+
+@dataclass(frozen=True)
+class Shape:
+    klass: str = "default"
+    model: str = "m"
+    session_id: str | None = None
+    prompt_tokens: int = 10
+
+
+@dataclass(frozen=True)
+class Caller:
+    id: str = "k"
+    priority: str | None = None
+    priority_header: bool = False
+
+
+def queue(**cfg) -> tuple[WaitQueue, QueueSettings]:
+    qs = QueueSettings(QueueConfig(**cfg), AdmissionConfig())
+    return WaitQueue(lambda: qs), qs
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_a_grant_holds_the_seat_until_the_request_goes_out():
+    q, qs = queue()
+    b = Backend()
+    assert q.admit_now({}, Caller(), Shape(), [b], 0.0, qs) is None  # its one seat is taken: it waits
+    waiter = asyncio.create_task(q.wait({}, Caller(), Shape(), [b], 0.0, qs))
+    await settle()
+    assert q.length == 1 and b.held == 0
+    b.in_flight = 0  # the request on it ended
+    q.wake()
+    await asyncio.sleep(0)  # the pass: granted, the seat held for it
+    assert b.held == 1 and q.length == 0
+    assert await waiter == [b]
+    assert b.held == 0  # given back as it goes out (its attempt takes the seat for real)
+
+
+async def test_a_client_that_leaves_as_its_seat_comes_is_never_granted():
+    q, qs = queue()
+    b = Backend()
+    waiter = asyncio.create_task(q.wait({}, Caller(), Shape(), [b], 0.0, qs))
+    await settle()
+    b.in_flight = 0
+    waiter.cancel()  # its future is cancelled now; its task's own clean-up runs later
+    q._pass()  # a pass in between: nothing granted, nothing raised
+    assert b.held == 0
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert q.length == 0 and q.by_model == {}
+    assert q.report()["priorities"]["normal"]["ended"]["left"]["count"] == 1
+
+
+async def test_past_its_length_a_request_is_refused_at_once():
+    q, qs = queue(max_length=1)
+    b = Backend()
+    first = asyncio.create_task(q.wait({}, Caller(), Shape(), [b], 0.0, qs))
+    await settle()
+    with pytest.raises(GatewayError) as e:
+        await q.wait({}, Caller(), Shape(), [b], 0.0, qs)
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert q.length == 0
