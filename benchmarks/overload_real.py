@@ -48,11 +48,10 @@ def auth(key: str) -> dict[str, str]:
 
 
 def gateway_config(variant: str, engines: list[EngineHandle]) -> dict:
-    """routing_real's shape placement, with keys; the queue off or at its defaults (nothing of it configured)."""
+    """routing_real's shape placement, with keys; the queue off, or on with its other settings at their defaults."""
     cfg = rr.gateway_config("shape", engines)
     cfg["auth"] = {"keys": [{"id": k, "sha256": hash_key(v), "admin": k == "ops"} for k, v in KEYS.items()]}
-    if variant == QUEUE_OFF:
-        cfg["queue"] = {"enabled": False}
+    cfg["queue"] = {"enabled": variant != QUEUE_OFF}
     return cfg
 
 

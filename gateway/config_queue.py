@@ -45,7 +45,9 @@ class QueueConfig(Strict):
     """[queue]: requests wait in the gateway, in priority order and fairly across keys, while every backend that
     could serve them is saturated, instead of in an engine's first-come queue."""
 
-    enabled: bool = True
+    # Off until asked for: under heavy overload on real engines its learned seat counts held vLLM below what it ran
+    # without the queue (benchmarks/results/overload_real*.md); with seats configured per backend it is safe to try.
+    enabled: bool = False
     max_length: int = Field(1024, ge=1)  # requests waiting in this process; past it, refused at once
     # The longest a request waits for a seat (as long as the first byte of an engine's reply is waited for).
     max_wait_s: float = Field(120.0, gt=0)
