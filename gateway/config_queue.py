@@ -46,7 +46,7 @@ class QueueConfig(Strict):
     could serve them is saturated, instead of in an engine's first-come queue."""
 
     # Off until asked for: under heavy overload on real engines its learned seat counts held vLLM below what it ran
-    # without the queue (benchmarks/results/overload_real*.md); with seats configured per backend it is safe to try.
+    # without the queue (benchmarks/results/overload_real_load27.md); seats configured per backend need no learning.
     enabled: bool = False
     max_length: int = Field(1024, ge=1)  # requests waiting in this process; past it, refused at once
     # The longest a request waits for a seat (as long as the first byte of an engine's reply is waited for).
