@@ -85,7 +85,10 @@ async def _run(g: Gateway, run: RequestState, turn: Any, shape: RequestShape, de
                 assert run.principal is not None
                 open_ = {b.id for b in await g.queue.admit(run.ex.headers, run.principal, shape, candidates,
                                                            time.monotonic(), qs)}
-                decision = Decision(tuple(v for v in decision.ranked if v.id in open_), decision.reason)
+                # The ones without a seat last, for failover only (an engine's own queue beats a failed response).
+                ranked = decision.ranked
+                decision = Decision((*(v for v in ranked if v.id in open_), *(v for v in ranked if v.id not in open_)),
+                                    decision.reason)
             done = await dispatch(g, run, shape, decision)
         status = done.status
         resp = orjson.loads(done.body) if status == 200 else None

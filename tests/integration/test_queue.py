@@ -414,3 +414,33 @@ async def test_a_backend_without_a_seat_still_takes_a_failover(gated):
             "x-shapegate-reason"]
     finally:
         await stop(gw)
+
+
+async def test_a_background_response_fails_over_to_a_backend_without_a_seat():
+    full, gone = await sim("vllm"), await sim("vllm")
+    gw = await start_gateway(config([backend("full", "vllm", full.url, {"m": "sim-model", "only-full": "sim-model"},
+                                             seats=1),
+                                     backend("open", "vllm", gone.url)],
+                                    health={"interval_s": 30.0}))  # (probes would not notice in time)
+    oai = client(gw)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "only-full", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3000,
+                    "stream": True}
+            holder = await s.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {USER_KEY}"})
+            await holder.content.readany()  # streaming: the full backend's one seat is taken
+            await gone.close()  # the one open backend refuses connections now
+            bg = await oai.responses.create(model="m", input="hi", max_output_tokens=4, background=True)
+            bg = await until(lambda: _ended(oai, bg.id), "the background response ended")
+            holder.close()
+        assert bg.status in ("completed", "incomplete"), bg.error  # sent on to the full backend's own queue
+        assert bg.output_text
+    finally:
+        await stop(gw)
+        await full.close()
+
+
+async def _ended(oai: openai.AsyncOpenAI, rid: str):
+    r = await oai.responses.retrieve(rid)
+    return r if r.status not in ("queued", "in_progress") else None
