@@ -239,7 +239,8 @@ async def bench(args: argparse.Namespace, meta: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="runs of each variant (queue off, queue on)")
-    ap.add_argument("--flood-repeats", type=int, default=1, help="runs with the second key flooding")
+    ap.add_argument("--flood-repeats", type=int, default=None,
+                    help="runs with the second key flooding (default: --repeats, one beside each queue-on run)")
     ap.add_argument("--window", type=float, default=40.0, help="seconds of arrivals per run")
     ap.add_argument("--drain", type=float, default=150.0, help="seconds after the window before cutting requests")
     ap.add_argument("--pause", type=float, default=2.0, help="seconds between runs once both engines are idle")
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default=str(kit.RESULTS / "overload_real"), help="path prefix of the .md and .json")
     ap.add_argument("--from-json", help="re-render the .md of an earlier run's .json (no run)")
     args = ap.parse_args(argv)
+    if args.flood_repeats is None:
+        args.flood_repeats = args.repeats
     if args.from_json:
         print(kit.render_again(Path(args.from_json), lambda data: report.markdown(
             data["meta"], report.summarize(data["runs"], data["meta"]))))

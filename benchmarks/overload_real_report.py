@@ -82,10 +82,13 @@ def summarize(runs: list[dict], meta: dict) -> dict:
                 "tokens_in_window": _mean([f["first"]["tokens_in_window"] for f in fs]),
                 "failed": sum(f["first"]["failed"] for f in fs)}
             for v, fs in figs.items() if fs}
-    return {"runs": figs, "mean": mean, "checks": checks(mean, figs)}
+    # The flood run against the queue-on run of the same repeat: the same arrivals of the first key (its seed).
+    pairs = [(run_figures(on, tg), run_figures(fl, tg)) for fl in runs if fl["variant"] == "queue on + flood"
+             for on in runs if on["variant"] == "queue on" and on["repeat"] == fl["repeat"]]
+    return {"runs": figs, "mean": mean, "checks": checks(mean, figs, pairs)}
 
 
-def checks(mean: dict, figs: dict) -> list[dict]:
+def checks(mean: dict, figs: dict, pairs: list[tuple[dict, dict]]) -> list[dict]:
     out = []
     off, on = mean.get("queue off"), mean.get("queue on")
     if off and on:
@@ -111,12 +114,13 @@ def checks(mean: dict, figs: dict) -> list[dict]:
         out.append({"what": "failed requests of the first key, every queue-on run", "target": "none",
                     "got": f"{n} (the flooding key's own: {flood}, refused past the queue's bounds by design)",
                     "met": n == 0})
-    fl = mean.get("queue on + flood")
-    if on and fl:
-        d = (on["first"] - fl["first"]) * 100
-        out.append({"what": "the first key's attainment, lowered by the flooding key (queue on)",
-                    "target": "5 points at most", "got": f"{d:+.1f} points ({on['first']:.0%} -> {fl['first']:.0%})",
-                    "met": d <= 5})
+    if pairs:
+        drops = [(a["first"]["attained"] - b["first"]["attained"]) * 100 for a, b in pairs]
+        d = statistics.fmean(drops)
+        each = ", ".join(f"{a['first']['attained']:.0%} -> {b['first']['attained']:.0%}" for a, b in pairs)
+        out.append({"what": "the first key's attainment, lowered by the flooding key (queue on, against the queue-on "
+                    "run with the same arrivals)", "target": "5 points at most",
+                    "got": f"{d:+.1f} points, the mean of {len(pairs)} ({each})", "met": d <= 5})
     return out
 
 
