@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from benchmarks import kit
 from benchmarks import overload_real_report as report
@@ -47,11 +48,12 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[key]}"}
 
 
-def gateway_config(variant: str, engines: list[EngineHandle]) -> dict:
-    """routing_real's shape placement, with keys; the queue off, or on with its other settings at their defaults."""
+def gateway_config(variant: str, engines: list[EngineHandle], queue: dict | None = None) -> dict:
+    """routing_real's shape placement, with keys; the queue off, or on with `queue`'s settings and the others at
+    their defaults."""
     cfg = rr.gateway_config("shape", engines)
     cfg["auth"] = {"keys": [{"id": k, "sha256": hash_key(v), "admin": k == "ops"} for k, v in KEYS.items()]}
-    cfg["queue"] = {"enabled": variant != QUEUE_OFF}
+    cfg["queue"] = {**(queue or {}), "enabled": variant != QUEUE_OFF}
     return cfg
 
 
@@ -148,7 +150,7 @@ async def run_variant(ctx, http: aiohttp.ClientSession, direct: aiohttp.ClientSe
     idle_s = await rr.wait_idle(direct, engines, timeout=600.0)
     await asyncio.sleep(args.pause)
     port = kit.free_port()
-    gw = ctx.Process(target=serve_gateway, args=(gateway_config(variant, engines), port), daemon=True)
+    gw = ctx.Process(target=serve_gateway, args=(gateway_config(variant, engines, args.queue), port), daemon=True)
     gw.start()
     samples: list[dict] = []
     stop = asyncio.Event()
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-floor-ms", type=float, default=50.0)
     for kind in ("interactive", "agent", "long-prompt", "generation"):  # default: the gateway's class targets
         ap.add_argument(f"--{kind}-ttft", type=float, default=None, help=f"the {kind} requests' TTFT target, s")
+    ap.add_argument("--queue", type=orjson.loads, default=None,
+                    help='[queue] settings of the queue-on runs besides enabled, as JSON (default: none, the defaults)')
     ap.add_argument("--sim", action="store_true", help="simulated engines instead (a check of the script, not a "
                     "result: write it elsewhere with --output)")
     ap.add_argument("--output", default=str(kit.RESULTS / "overload_real"), help="path prefix of the .md and .json")
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started": time.time(), "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": kit.commit(),
             "dirty": bool(kit.changed_paths()), "machine": kit.host(), "load_before": os.getloadavg(),
             "command": kit.command("benchmarks.overload_real", argv), "repeats": args.repeats,
-            "flood_repeats": args.flood_repeats, "window_s": args.window, "drain_s": args.drain,
+            "flood_repeats": args.flood_repeats, "queue_settings": args.queue, "window_s": args.window, "drain_s": args.drain,
             "offered_load": args.load, "flood_factor": args.flood_factor, "kinds": [asdict(k) for k in rr.KINDS],
             "llama": rr.LLAMA, "vllm": rr.VLLM, "schedule": schedule(args),
             "workload": {"session_users": rr.SESSION_USERS, "session_turns": rr.SESSION_TURNS,

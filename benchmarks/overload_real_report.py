@@ -158,7 +158,9 @@ def markdown(meta: dict, summary: dict) -> str:
              f"- Flood run: a second key sends bulk generations at {meta['flood_factor']:g}x the first key's "
              "generation rate, on top of the first key's same arrivals.",
              "- Variants: `queue off` = shape routing alone (`[queue] enabled = false`); `queue on` = "
-             "`[queue] enabled = true`, the rest of it at its defaults (vLLM's seats learned from its gauges, "
+             "`[queue] enabled = true`, the rest of it " + (
+                 f"at its defaults but `{meta['queue_settings']}`" if meta.get("queue_settings") else
+                 "at its defaults") + " (vLLM's seats learned from its gauges, "
              "llama.cpp's from `/slots`). A fresh gateway per run, the same engines; both engines idle before each run."]
     for e in meta["engines"].values():
         lines.append(f"- {e['version']}, started in {e['startup_s']:.1f} s: `{' '.join(e['argv'])}`")
