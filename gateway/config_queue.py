@@ -102,7 +102,7 @@ class QueueConfig(Strict):
 class QueueSettings:
     """What the queue reads of one configuration, as plain attributes (made once per configuration)."""
 
-    def __init__(self, cfg: QueueConfig, admission: AdmissionConfig) -> None:
+    def __init__(self, cfg: QueueConfig, admission: AdmissionConfig, keep_interactive: int = 1) -> None:
         self.max_length = cfg.max_length
         self.max_wait_s = cfg.max_wait_s
         self.promote_after_s = cfg.promote_after_s
@@ -116,3 +116,6 @@ class QueueSettings:
         self.admission_on = admission.max_waiting is not None or admission.max_in_flight is not None or \
             bool(admission.slot_classes)  # (gateway/routing/admission.py's enabled(), read once)
         self.status, self.retry_after_s = admission.status, admission.retry_after_s
+        # Seats of a backend marked interactive that other classes leave free even before any session was seen (the
+        # shape policy's reserve_interactive_slots): the first turn of a session finds one.
+        self.keep_interactive = keep_interactive

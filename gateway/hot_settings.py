@@ -46,7 +46,8 @@ class HotSettings:
         self.admission = cfg.admission
         # [queue]: None when off (then [admission] refuses at once, as without a queue); the classes whose requests
         # in flight are counted per backend against their seat share.
-        self.queue = QueueSettings(cfg.queue, cfg.admission) if cfg.queue.enabled else None
+        keep = cfg.routing.params.get("reserve_interactive_slots", 1) if cfg.routing.policy == "shape" else 0
+        self.queue = QueueSettings(cfg.queue, cfg.admission, int(keep)) if cfg.queue.enabled else None
         self.capped = frozenset(cfg.queue.seat_shares) if cfg.queue.enabled else frozenset()
         self.key_ids = frozenset(k.id for k in cfg.auth.keys)  # the queue's metrics label these keys by id
         self.limits = cfg.limits

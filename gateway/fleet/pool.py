@@ -53,6 +53,10 @@ class BackendState:
         self.peak_running = 0
         self.full_at = 0
         self.queued_scrapes = 0  # load samples in a row that showed it queueing at the most it ever ran
+        # While its seat count is not known: the count the queue assumes for the seat shares, grown at each load
+        # sample that shows the engine queueing nothing while a share held requests back (held_by_share).
+        self.assumed = 0
+        self.held_by_share = False
         self.on_load: Callable[[], None] | None = None  # told of each load sample (a seat may have freed)
         self.health = HealthState()
         self.breaker = Breaker(gcfg.health.breaker_failures, gcfg.health.breaker_open_s, cfg.id)
@@ -115,6 +119,10 @@ class BackendState:
                     self.full_at = int(running)
             else:
                 self.queued_scrapes = 0
+            if self.held_by_share:
+                self.held_by_share = False
+                if not sample.waiting:  # room there still: the assumed count grows (a quarter, and at least one)
+                    self.assumed = max(self.assumed + 1, self.assumed * 5 // 4, self.peak_running + 1)
         r = self.reported
         if r.observe(sample):
             self.latency.engine_prior(r.ttft, r.itl, r.prefill_rate)

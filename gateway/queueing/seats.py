@@ -23,6 +23,8 @@ class Seated(Protocol):
     held: int  # seats granted to queued requests that have not gone out yet
     interactive: bool  # marked for single interactive sessions
     capped: int  # requests in flight (or granted) of a class with a seat share
+    assumed: int  # while the seat count is not known: the count the shares assume (0: none yet)
+    held_by_share: bool  # a share held a request back on the assumed count since the last load sample
 
     def fresh_load(self, now: float) -> LoadSample | None: ...
 
@@ -58,4 +60,15 @@ def seat_count(b: Seated, now: float) -> int:
     load = b.fresh_load(now)
     return b.seats or (load.total_slots if load is not None and load.total_slots else 0) or \
         (max(b.full_at, b.peak_running) if b.full_at else 0)
+
+
+def share_basis(b: Seated, now: float) -> tuple[int, bool]:
+    """The seat count a class's seat share is taken of, and whether it is only assumed. Not known yet (a fresh
+    gateway) but the engine reports its load: the most it was seen running and one more, or more as the count grows
+    (gateway/fleet/pool.py: at each load sample where the engine queued nothing while a share held requests back),
+    so a burst of long outputs cannot take every seat before the count is learned. No load reported: 0 (no share)."""
+    n = seat_count(b, now)
+    if n or b.fresh_load(now) is None:
+        return n, False
+    return max(b.assumed, b.peak_running + 1), True
 

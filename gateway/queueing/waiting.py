@@ -13,7 +13,7 @@ from gateway.contracts import INTERACTIVE
 from gateway.errors import GatewayError, overloaded
 from gateway.queueing.order import FairOrder, Waiter
 from gateway.queueing.priority import DEADLINE_HEADER, deadline_missed, deadline_of, level_of
-from gateway.queueing.seats import room, seat_count
+from gateway.queueing.seats import room, share_basis
 from gateway.routing.admission import saturated
 
 NEVER: Final = float("-inf")
@@ -77,13 +77,15 @@ class WaitQueue:
         if free is not None and free <= 0:
             return False
         if b.interactive and klass != INTERACTIVE and free is not None:
-            kept = self._active_sessions(now, qs.reserve_window_s)
+            kept = max(qs.keep_interactive, self._active_sessions(now, qs.reserve_window_s))
             if kept and free <= kept:
                 return False  # its free seats are kept for the sessions that use it
         share = qs.shares.get(klass)
         if share is not None and now - self.demand.get(model, NEVER) <= qs.reserve_window_s:
-            n = seat_count(b, now)
+            n, assumed = share_basis(b, now)
             if n and b.capped >= max(1, int(n * share)):
+                if assumed:
+                    b.held_by_share = True  # (the assumed count grows at the next load sample if there is room)
                 return False
         return True
 

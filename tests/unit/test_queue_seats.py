@@ -9,7 +9,7 @@ import pytest
 from gateway.contracts import LoadSample
 from gateway.errors import GatewayError
 from gateway.queueing.priority import deadline_of, level_of
-from gateway.queueing.seats import room, seat_count
+from gateway.queueing.seats import room, seat_count, share_basis
 
 NOW = 100.0
 
@@ -23,6 +23,8 @@ class Backend:
     full_at: int = 0
     held: int = 0
     capped: int = 0
+    assumed: int = 0
+    held_by_share: bool = False
     load: LoadSample | None = field(default=None)
 
     def fresh_load(self, now: float) -> LoadSample | None:
@@ -105,3 +107,30 @@ def test_seats_are_learned_from_a_queue_at_the_most_it_ran_two_scrapes_in_a_row(
                                       (6, 0, 5), (6, 1, 5), (6, 4, 6)]:  # it grew
         b.take_load(sample(running, waiting))
         assert b.full_at == full_at, (running, waiting)
+
+
+def test_a_share_is_taken_of_an_assumed_count_until_the_count_is_known():
+    assert share_basis(Backend(seats=8, peak_running=3), NOW) == (8, False)
+    assert share_basis(Backend(peak_running=3), NOW) == (0, False)  # no load reported: no share
+    assert share_basis(Backend(peak_running=3, load=sample(3, 0)), NOW) == (4, True)  # its most and one more
+    assert share_basis(Backend(peak_running=3, assumed=6, load=sample(3, 0)), NOW) == (6, True)  # grown
+    assert share_basis(Backend(peak_running=3, full_at=3, assumed=6, load=sample(3, 0)), NOW) == (3, False)
+
+
+def test_the_assumed_count_grows_only_while_a_share_held_requests_back_and_the_engine_queued_nothing():
+    from gateway.config import BackendConfig, GatewayConfig
+    from gateway.fleet.pool import BackendState
+
+    bc = BackendConfig(id="v", engine="vllm", url="http://127.0.0.1:1", models={"m": "m"})
+    b = BackendState(bc, object(), GatewayConfig(auth={"enabled": False}, backends=[bc]))
+    b.take_load(sample(2, 0))
+    assert b.assumed == 0  # nothing held back
+    grown = []
+    for held, waiting in [(True, 0), (True, 0), (False, 0), (True, 1), (True, 0), (True, 0), (True, 0), (True, 0), (True, 0),
+                          (True, 0)]:
+        b.held_by_share = held
+        b.take_load(sample(2, waiting))
+        assert not b.held_by_share  # (one sample answers it)
+        grown.append(b.assumed)
+    # From its most and one more (3): one at a time, then a quarter; not beside a sample that showed it queueing.
+    assert grown == [3, 4, 4, 4, 5, 6, 7, 8, 10, 12]

@@ -23,6 +23,8 @@ class Backend:
     held: int = 0
     capped: int = 0
     interactive: bool = False
+    assumed: int = 0
+    held_by_share: bool = False
 
     def usable(self, now: float) -> bool:
         return True
@@ -98,3 +100,30 @@ async def test_past_its_length_a_request_is_refused_at_once():
     with pytest.raises(asyncio.CancelledError):
         await first
     assert q.length == 0
+
+
+def test_an_interactive_backend_keeps_a_seat_for_sessions_before_any_was_seen():
+    q, qs = queue()
+    b = Backend(in_flight=0, seats=2, interactive=True)
+    assert q.open(b, "long_output", "m", 1.0, qs)  # two free: one may go to another class
+    b.in_flight = 1
+    assert not q.open(b, "long_output", "m", 1.0, qs)  # the last one is kept for a session's first turn
+    assert q.open(b, "interactive", "m", 1.0, qs)
+    q0 = WaitQueue(lambda: qs0)
+    qs0 = QueueSettings(QueueConfig(), AdmissionConfig(), keep_interactive=0)  # the shape policy keeps none
+    assert q0.open(b, "long_output", "m", 1.0, qs0)
+
+
+def test_a_seat_share_on_an_assumed_count_marks_the_backend_held_back():
+    from gateway.contracts import LoadSample
+
+    class Loaded(Backend):
+        def fresh_load(self, now: float):
+            return LoadSample(running=3, waiting=0, total_slots=None, at=now)
+
+    q, qs = queue()
+    q.demand["m"] = 1.0  # another class came in lately: long outputs keep to their share
+    b = Loaded(in_flight=0, seats=None, peak_running=3)
+    assert q.open(b, "long_output", "m", 1.0, qs) and not b.held_by_share  # share of 4 assumed: 2
+    b.capped = b.in_flight = 2
+    assert not q.open(b, "long_output", "m", 1.0, qs) and b.held_by_share
