@@ -45,9 +45,9 @@ class QueueConfig(Strict):
     """[queue]: requests wait in the gateway, in priority order and fairly across keys, while every backend that
     could serve them is saturated, instead of in an engine's first-come queue."""
 
-    # Off until asked for: under heavy overload on real engines its learned seat counts held vLLM below what it ran
-    # without the queue (benchmarks/results/overload_real_load27.md); seats configured per backend need no learning.
-    enabled: bool = False
+    # On by default: it needs no configuration (seat counts come from llama.cpp's slots and what an engine is seen
+    # running; a seat share is taken of an assumed count until then). Off: [admission] refuses at once, nothing waits.
+    enabled: bool = True
     max_length: int = Field(1024, ge=1)  # requests waiting in this process; past it, refused at once
     # The longest a request waits for a seat (as long as the first byte of an engine's reply is waited for).
     max_wait_s: float = Field(120.0, gt=0)
