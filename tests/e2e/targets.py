@@ -40,12 +40,12 @@ def backend(backend_id: str, engine: str, url: str, native: str | None = None) -
     return {"id": backend_id, "engine": engine, "url": url, "models": {PUBLIC_MODEL: native or NATIVE[engine]}}
 
 
-def config(backends: list[dict[str, Any]]) -> dict[str, Any]:
+def config(backends: list[dict[str, Any]], **sections: Any) -> dict[str, Any]:
     # round robin: a portfolio sends traffic to every member whatever the load. Long probe and scrape
     # timeouts: on two cores a streaming vLLM's API server can leave /health and /metrics unanswered
     # for 3-10 s and more, which with the usual 1-2 s would mark it unhealthy and leave no load sample.
     return gateway_config(backends, routing={"policy": "round_robin"},
-                          health={"timeout_s": 30.0, "load_stale_s": 60.0})
+                          health={"timeout_s": 30.0, "load_stale_s": 60.0}, **sections)
 
 
 @dataclass
@@ -69,15 +69,16 @@ class Target:
 
 
 @contextlib.asynccontextmanager
-async def open_target(name: str, handle: EngineHandle | None) -> AsyncIterator[Target]:
-    """A gateway in front of the real engine `handle`, or in front of a fresh simulator when None."""
+async def open_target(name: str, handle: EngineHandle | None, **sections: Any) -> AsyncIterator[Target]:
+    """A gateway in front of the real engine `handle`, or in front of a fresh simulator when None (`sections`: the
+    gateway's configuration beside the defaults)."""
     engine = engine_of(name)
     sim: SimServer | None = None
     if handle is None:
         sim = await start_sim(sim_options(engine))
     url = handle.url if handle is not None else sim.url
     try:
-        gw = await start_gateway(config([backend(name, engine, url)]))
+        gw = await start_gateway(config([backend(name, engine, url)], **sections))
         try:
             yield Target(name, engine, handle is not None, url, gw)
         finally:

@@ -7,18 +7,20 @@ import contextlib
 import logging
 import statistics
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
 import pytest
+import pytest_asyncio
 
 from gateway.config import HealthConfig
 from gateway.sim.runner import start_sim
 from tests.e2e import wire
 from tests.e2e.engines import start_llama_server
 from tests.e2e.targets import (PUBLIC_MODEL, Boot, Target, backend, config, engine_generated, engine_running,
-                               gateway_metrics, labelled, last_sample, sim_options, start_sim_at, stats, watch_startup)
+                               gateway_metrics, labelled, last_sample, open_target, sim_options, start_sim_at, stats,
+                               watch_startup)
 from tests.gateway_harness import USER_KEY, start_gateway
 from tests.kit import until
 
@@ -148,12 +150,21 @@ async def _hold_and_watch(http: aiohttp.ClientSession, target: Target,
 # sample through the whole hold in 3 of 5 whole-suite runs on this machine kind, while the engine's own gauge read
 # 2 running; with the wait, none in 7. The failure message carries the sample's age at each read and the health
 # log's scrape failures; a rerun here is printed with them.
+@pytest_asyncio.fixture
+async def unqueued_target(target_engine: tuple[str, Any]) -> AsyncIterator[Target]:
+    """A target whose gateway sends every request on at once ([queue] off): the third stream waits in the engine,
+    whose own queue is what the load view must show (with the queue on, it would wait in the gateway)."""
+    async with open_target(*target_engine, queue={"enabled": False}) as t:
+        yield t
+
+
 @pytest.mark.flaky(reruns=2)
-async def test_load_signals_follow_a_held_load(target: Target, caplog: pytest.LogCaptureFixture) -> None:
+async def test_load_signals_follow_a_held_load(unqueued_target: Target, caplog: pytest.LogCaptureFixture) -> None:
     """Three streams on two slots / max_num_seqs 2: the gateway's load view reads 2 running, 1 waiting.
     Judged against the engine's own gauge: an attempt in which the engine itself never ran the streams
     (vLLM's API server on 2 cores can sit on new requests for over 10 s) says nothing about the gateway
     and goes again; one in which the engine held them and the gateway did not show it fails."""
+    target = unqueued_target
     stalled: list[Any] = []
     caplog.set_level(logging.DEBUG, logger="shapegate.health")  # on a failure: why the load scrapes did not land
     async with wire.new_session(headers={"Authorization": f"Bearer {USER_KEY}"}) as http:
