@@ -20,11 +20,16 @@ NEVER: Final = float("-inf")
 MAX_SESSIONS: Final = 4096  # sessions remembered; ids are client strings, so the memory is bounded
 
 
+def elsewhere(candidates: Iterable) -> bool:
+    """Whether a request may go to a backend not marked interactive (then those marked keep seats for sessions)."""
+    return any(not b.interactive for b in candidates)
+
+
 class Entry:
     """A waiting request: what it may be served by, and how its wait ends."""
 
     __slots__ = ("future", "candidates", "klass", "model", "capped", "deadline_at", "deadline_s", "prompt_tokens",
-                 "since")
+                 "since", "elsewhere")
 
     def __init__(self, future: asyncio.Future, candidates: Sequence, klass: str, model: str, capped: bool,
                  deadline_s: float | None, since: float, prompt_tokens: int) -> None:
@@ -35,6 +40,7 @@ class Entry:
         self.deadline_at = since + deadline_s if deadline_s is not None else None
         self.since = since
         self.prompt_tokens = prompt_tokens
+        self.elsewhere = elsewhere(candidates)
 
 
 class WaitQueue:
@@ -64,19 +70,21 @@ class WaitQueue:
         return qs.key_weights.get(key, 1.0) if qs is not None else 1.0
 
     # -- a backend's seat ------------------------------------------------------------------------------
-    def takes(self, b, klass: str, model: str, now: float, qs: QueueSettings) -> bool:
+    def takes(self, b, klass: str, model: str, now: float, qs: QueueSettings, elsewhere: bool = True) -> bool:
         """Whether `b` can take a request of `klass` for `model` now: usable, and open (below)."""
-        return b.usable(now) and self.open(b, klass, model, now, qs)
+        return b.usable(now) and self.open(b, klass, model, now, qs, elsewhere)
 
-    def open(self, b, klass: str, model: str, now: float, qs: QueueSettings) -> bool:
+    def open(self, b, klass: str, model: str, now: float, qs: QueueSettings, elsewhere: bool = True) -> bool:
         """Whether usable `b` has a seat for a request of `klass` for `model` now: not saturated by [admission], a
-        seat free, and its class under its share of the seats while other classes came in for the model lately."""
+        seat free, and its class under its share of the seats while other classes came in for the model lately.
+        `elsewhere`: the request has a candidate not marked interactive (else no seat is kept from it for sessions:
+        it would wait for nothing)."""
         if qs.admission_on and saturated(b, klass, now, qs.admission):
             return False
         free = room(b, now)
         if free is not None and free <= 0:
             return False
-        if b.interactive and klass != INTERACTIVE and free is not None:
+        if b.interactive and klass != INTERACTIVE and free is not None and elsewhere:
             kept = max(qs.keep_interactive, self._active_sessions(now, qs.reserve_window_s))
             if kept and free <= kept:
                 return False  # its free seats are kept for the sessions that use it
@@ -123,7 +131,8 @@ class WaitQueue:
             level_of(headers, caller.priority, True, qs.class_level, klass)
         if self.by_model.get(model):
             return None
-        return [b for b in candidates if self.open(b, klass, model, now, qs)] or None
+        other = elsewhere(candidates)
+        return [b for b in candidates if self.open(b, klass, model, now, qs, other)] or None
 
     async def admit(self, headers: Mapping[str, str], caller: Any, shape: Any, candidates: list, now: float,
                     qs: QueueSettings) -> list:
@@ -185,7 +194,7 @@ class WaitQueue:
                 fut.cancel()
         self._release(b, e)
         t = time.monotonic()
-        return [c for c in candidates if self.takes(c, e.klass, model, t, qs)] or [b]
+        return [c for c in candidates if self.takes(c, e.klass, model, t, qs, e.elsewhere)] or [b]
 
     def _leave(self, w: Waiter, e: Entry) -> None:
         self.order.remove(w)
@@ -243,7 +252,7 @@ class WaitQueue:
                 w.item.future.set_result(w.item.candidates[0])
             return
         now = time.monotonic()
-        full: set[tuple[int, str, str]] = set()  # (backend, class, model) found full in this pass: stays full
+        full: set[tuple[int, str, str, bool]] = set()  # (backend, class, model, elsewhere) found full: stays full
         granted = True
         while granted and self.order.length:
             granted = False
@@ -277,10 +286,10 @@ class WaitQueue:
         """The candidate with the most free seats that takes the request now, or None."""
         best, best_room = None, None
         for b in e.candidates:
-            k = (id(b), e.klass, e.model)
+            k = (id(b), e.klass, e.model, e.elsewhere)
             if k in full:
                 continue
-            if not self.takes(b, e.klass, e.model, now, qs):
+            if not self.takes(b, e.klass, e.model, now, qs, e.elsewhere):
                 full.add(k)
                 continue
             free = room(b, now)

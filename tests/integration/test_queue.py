@@ -444,3 +444,23 @@ async def test_a_background_response_fails_over_to_a_backend_without_a_seat():
 async def _ended(oai: openai.AsyncOpenAI, rid: str):
     r = await oai.responses.retrieve(rid)
     return r if r.status not in ("queued", "in_progress") else None
+
+
+async def test_a_request_with_only_interactive_backends_is_not_kept_from_their_seats():
+    llama = await sim("llamacpp", slots=1)
+    gw = await start_gateway(config([backend("ll", "llamacpp", llama.url, interactive=True)],
+                                    queue={"max_wait_s": 3.0}))
+    try:
+        ll = gw.state.pool.get("ll")
+        await until(lambda: ll.load is not None and ll.load.total_slots == 1, "llama.cpp's slots scraped")
+        c = client(gw)
+        stream = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "turn"}],
+                                                 max_tokens=4, stream=True, extra_headers={"x-session-id": "s1"})
+        [chunk async for chunk in stream]  # a session uses its one slot: kept for it, but nowhere else to go
+        reply = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "agent"}],
+                                                max_tokens=4)
+        assert reply.choices[0].message.content
+        assert gw.state.queue.length == 0
+    finally:
+        await stop(gw)
+        await llama.close()

@@ -109,6 +109,7 @@ def test_an_interactive_backend_keeps_a_seat_for_sessions_before_any_was_seen():
     b.in_flight = 1
     assert not q.open(b, "long_output", "m", 1.0, qs)  # the last one is kept for a session's first turn
     assert q.open(b, "interactive", "m", 1.0, qs)
+    assert q.open(b, "long_output", "m", 1.0, qs, elsewhere=False)  # nowhere else to go: nothing kept from it
     q0 = WaitQueue(lambda: qs0)
     qs0 = QueueSettings(QueueConfig(), AdmissionConfig(), keep_interactive=0)  # the shape policy keeps none
     assert q0.open(b, "long_output", "m", 1.0, qs0)
