@@ -77,6 +77,14 @@ async def hold_the_seat(gw, e: FakeEngine) -> asyncio.Task:
     return holder
 
 
+async def hold_a_stream(s: aiohttp.ClientSession, gw, model: str) -> aiohttp.ClientResponse:
+    """A long stream through the gateway, once its first bytes came (it holds its seat until closed)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3000, "stream": True}
+    holder = await s.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {USER_KEY}"})
+    await holder.content.readany()
+    return holder
+
+
 async def queued(gw, n: int) -> None:
     await until(lambda: gw.state.queue.length == n, f"{n} requests queued")
 
@@ -240,11 +248,7 @@ async def test_every_api_waits_in_the_queue_and_is_served():
     claude = anthropic.AsyncAnthropic(base_url=gw.url, api_key=USER_KEY, max_retries=0)
     try:
         async with aiohttp.ClientSession() as s:
-            body = {"model": "m", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3000,
-                    "stream": True}
-            holder = await s.post(gw.url + "/v1/chat/completions", json=body,
-                                  headers={"Authorization": f"Bearer {USER_KEY}"})
-            await holder.content.readany()  # streaming: the seat is taken
+            holder = await hold_a_stream(s, gw, "m")  # streaming: the seat is taken
             calls = [
                 oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4),
                 oai.completions.create(model="m", prompt="hi", max_tokens=4),
@@ -425,11 +429,7 @@ async def test_a_background_response_fails_over_to_a_backend_without_a_seat():
     oai = client(gw)
     try:
         async with aiohttp.ClientSession() as s:
-            body = {"model": "only-full", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3000,
-                    "stream": True}
-            holder = await s.post(gw.url + "/v1/chat/completions", json=body,
-                                  headers={"Authorization": f"Bearer {USER_KEY}"})
-            await holder.content.readany()  # streaming: the full backend's one seat is taken
+            holder = await hold_a_stream(s, gw, "only-full")  # streaming: the full backend's one seat is taken
             await gone.close()  # the one open backend refuses connections now
             bg = await oai.responses.create(model="m", input="hi", max_output_tokens=4, background=True)
             bg = await until(lambda: _ended(oai, bg.id), "the background response ended")
