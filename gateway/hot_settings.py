@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.config import GatewayConfig
 from gateway.config_queue import QueueSettings
+from policies.shape_params import Params as ShapeParams
 
 
 class HotSettings:
@@ -46,8 +47,9 @@ class HotSettings:
         self.admission = cfg.admission
         # [queue]: None when off (then [admission] refuses at once, as without a queue); the classes whose requests
         # in flight are counted per backend against their seat share.
-        keep = cfg.routing.params.get("reserve_interactive_slots", 1) if cfg.routing.policy == "shape" else 0
-        self.queue = QueueSettings(cfg.queue, cfg.admission, int(keep)) if cfg.queue.enabled else None
+        # An interactive backend keeps the shape policy's reserved slots (its validated params, default included).
+        keep = ShapeParams(**cfg.routing.params).reserve_interactive_slots if cfg.routing.policy == "shape" else 0
+        self.queue = QueueSettings(cfg.queue, cfg.admission, keep) if cfg.queue.enabled else None
         self.capped = frozenset(cfg.queue.seat_shares) if cfg.queue.enabled else frozenset()
         self.key_ids = frozenset(k.id for k in cfg.auth.keys)  # the queue's metrics label these keys by id
         self.limits = cfg.limits
