@@ -272,7 +272,9 @@ async def test_messages_stream(side: Side) -> None:
         stream = await client.messages.create(model=side.model, max_tokens=MAX_OUT, stream=True,
                                               messages=[{"role": "user", "content": PROMPT}])
         events = [e async for e in stream]
-        # the SDK's own accumulator over a second stream
+    # the SDK's own accumulator over a second stream, on a client of its own: llama-server closes the connection
+    # after a stream (OBSERVED.md, "Connections"), and a client reusing it at once races that close
+    async with side.anthropic() as client:
         async with client.messages.stream(model=side.model, max_tokens=MAX_OUT,
                                           messages=[{"role": "user", "content": PROMPT}]) as helper:
             final = await helper.get_final_message()
