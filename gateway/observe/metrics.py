@@ -213,9 +213,10 @@ class Metrics:
                                                                                     "restarted")}
         # Replicas sharing Redis (gateway/ops/replica_sync.py): what came in from the others, and failed rounds.
         self.replica_imports = counter("shapegate_replica_imports", "Taken from other replicas: requests their "
-                                       "latency models learned from (latency), breaker openings (breaker)", ["kind"])
-        self.replica_sync_errors = counter("shapegate_replica_sync_errors", "Rounds of sharing latency learning "
-                                           "and breaker openings that Redis failed")
+                                       "latency models learned from (latency), breaker openings (breaker), "
+                                       "backends whose learned seat counts grew (seats)", ["kind"])
+        self.replica_sync_errors = counter("shapegate_replica_sync_errors", "Rounds of sharing latency learning, "
+                                           "breaker openings and seat counts that Redis failed")
         # The event loop's own health (gateway/observe/loop_watch.py): how late its timers fire, GC pauses.
         self.loop_lag = histogram("shapegate_event_loop_lag_seconds", "How late a 50 ms timer of the event loop "
                                   "fired (work or a pause that held the loop)", [], LOOP_LAG_BUCKETS)

@@ -1,4 +1,5 @@
-"""Replicas that agree: latency-model learning and breaker openings shared through Redis, off the request path."""
+"""Replicas that agree: latency-model learning, breaker openings and engines' learned seat counts shared through Redis,
+off the request path."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from redis.exceptions import RedisError
 from gateway.errors import MAX_RETRY_AFTER_S
 from gateway.ops.replica_checks import (FIT_LEN, MALFORMED, SVC_LEN, figures_now, implausible, max_hold_s,
                                         read_entry)
+from gateway.ops.seat_share import SEATS_KEEP_S, SEATS_KEY, SeatShare
 from gateway.stats.rolling import LatencyModel
 from gateway.stats.share import wall_time
 
@@ -279,7 +281,7 @@ def _text(rows: Mapping) -> dict[str, bytes]:
 
 
 class ReplicaSync:
-    """The loop that carries both, one Redis client, every call bounded by [state] redis_timeout_s."""
+    """The loop that carries them, one Redis client, every call bounded by [state] redis_timeout_s."""
 
     def __init__(self, g: Gateway) -> None:
         self.g = g
@@ -287,6 +289,8 @@ class ReplicaSync:
         self.me = f"{g.sharing.replica}/{g.sharing.worker}"
         self.latency = LatencyShare(self.me)
         self.breakers = BreakerShare(self.me)
+        self.seats = SeatShare()
+        self._seats_key = st.key_prefix + SEATS_KEY
         self._latency_key = st.key_prefix + LATENCY_KEY
         self._breaker_key = st.key_prefix + BREAKER_KEY
         self._timeout = st.redis_timeout_s
@@ -307,12 +311,13 @@ class ReplicaSync:
 
     async def stop(self) -> None:
         """A flag rather than task.cancel() (a cancellation inside the Redis client's I/O can be absorbed there);
-        a last latency round leaves this process's learning to the replicas that come later."""
+        a last latency and seat round leaves this process's learning to the replicas that come later."""
         self._stopping = True
         self.breakers.wake.set()
         if self._task is not None:
             await self._task
         await self.latency_round()
+        await self.seat_round()
         await self._client.aclose()
 
     async def _loop(self) -> None:
@@ -334,6 +339,7 @@ class ReplicaSync:
             await self.breaker_round()
             if latency:
                 await self.latency_round()
+                await self.seat_round()
         except Exception:  # a bug here must not end the sharing for good, nor the start-up, nor the shutdown
             log.exception("replica sync round failed")
 
@@ -391,16 +397,38 @@ class ReplicaSync:
                 async with asyncio.timeout(self._timeout):
                     await self._client.hdel(self._latency_key, *stale)
 
+    async def seat_round(self) -> None:
+        """Write the seat counts this process learned beyond the hash's, refresh the hash, take the others'."""
+        g = self.g
+        active = {b.id: b for b in g.pool.all() if g.pool.get(b.id) is b}  # not draining (a reload may re-point an id)
+        out = self.seats.outgoing(active.values())
+        try:
+            async with asyncio.timeout(self._timeout), self._client.pipeline(transaction=False) as p:
+                if out:
+                    p.hset(self._seats_key, mapping=out)
+                p.pexpire(self._seats_key, int(SEATS_KEEP_S * 1000))
+                p.hgetall(self._seats_key)
+                rows = _text((await p.execute())[-1])
+        except ERRORS as e:
+            self._failed(e)
+            return
+        self._succeeded()
+        learned = self.seats.take(rows, active)
+        if learned:
+            g.metrics.replica_import("seats", learned)
+            g.queue.wake()  # more seats known: a waiting request may go now
+
     def _failed(self, e: BaseException) -> None:
         self.g.metrics.replica_sync_error()
         if not self._failing:  # once per outage; the metric counts every failed round
-            log.warning("replicas' latency learning and breaker openings not shared (Redis: %s); routing on what "
-                        "this replica knows until it answers again", str(e) or type(e).__name__)
+            log.warning("replicas' latency learning, breaker openings and seat counts not shared (Redis: %s); "
+                        "routing on what this replica knows until it answers again", str(e) or type(e).__name__)
         self._failing = True
 
     def _succeeded(self) -> None:
         if self._failing:
-            log.info("Redis answers again: sharing latency learning and breaker openings with the other replicas")
+            log.info("Redis answers again: sharing latency learning, breaker openings and seat counts with the other "
+                     "replicas")
             self._failing = False
 
 

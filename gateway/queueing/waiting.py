@@ -13,7 +13,7 @@ from gateway.contracts import INTERACTIVE
 from gateway.errors import GatewayError, overloaded
 from gateway.queueing.order import FairOrder, Waiter
 from gateway.queueing.priority import DEADLINE_HEADER, deadline_missed, deadline_of, level_of
-from gateway.queueing.seats import room, share_basis
+from gateway.queueing.seats import Seated, room, seat_count, share_basis
 from gateway.routing.admission import saturated
 
 NEVER: Final = float("-inf")
@@ -298,6 +298,11 @@ class WaitQueue:
         return best
 
     # -- what it shows ----------------------------------------------------------------------------------
+    @staticmethod
+    def seats(b: Seated, now: float) -> int:
+        """The seats `b` is known to have (0: not known yet), for /stats."""
+        return seat_count(b, now)
+
     def report(self) -> dict:
         """Lengths now and how waits ended since start, per priority (/stats, the dashboard)."""
         lengths = self.order.level_lengths()

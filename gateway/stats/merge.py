@@ -45,6 +45,7 @@ def take_summary(g, now_m: float | None = None, now_wall: float | None = None) -
         est = b.latency.estimate()
         backends[b.id] = {
             "engine": b.engine, "health": b.health.state, "breaker": b.breaker.state(now_m), "in_flight": b.in_flight,
+            "seats": g.queue.seats(b, now_m),  # as the queue knows them: configured, slots or learned (0: not yet)
             "load": None if load is None else {
                 "running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
                 "idle_slots": load.idle_slots, "age_s": max(now_m - load.at, 0.0)},
@@ -131,7 +132,8 @@ def _read_backend(b: dict, taken_at: float) -> dict:
         load = _read_load(load, taken_at)
     span = max(_finite(b["span_s"]), 1e-3)
     return {"engine": str(b["engine"]), "health": str(b["health"]), "breaker": str(b["breaker"]),
-            "in_flight": _count(b["in_flight"]), "failovers": _count(b["failovers"]),
+            "in_flight": _count(b["in_flight"]), "seats": _count(b.get("seats") or 0),  # (none before the queue)
+            "failovers": _count(b["failovers"]),
             "breaker_openings": _count(b["breaker_openings"]), "load": load,
             "unsupported": {str(k): str(v) for k, v in (b.get("unsupported") or {}).items()},
             "misconfigured": str(b["misconfigured"])[:500] if b.get("misconfigured") else None,
@@ -141,7 +143,7 @@ def _read_backend(b: dict, taken_at: float) -> dict:
 
 def _merge_backend(m: dict | None, b: dict) -> dict:
     if m is None:
-        m = {"engine": b["engine"], "views": {"health": {}, "breaker": {}}, "in_flight": 0, "load": None,
+        m = {"engine": b["engine"], "views": {"health": {}, "breaker": {}}, "in_flight": 0, "seats": 0, "load": None,
              "fit": None, "failovers": 0, "breaker_openings": 0, "unsupported": {}, "misconfigured": None,
              "classes": {}}
     for view in ("health", "breaker"):
@@ -149,6 +151,7 @@ def _merge_backend(m: dict | None, b: dict) -> dict:
         counts[b[view]] = counts.get(b[view], 0) + 1
     for k in ("in_flight", "failovers", "breaker_openings"):
         m[k] += b[k]
+    m["seats"] = max(m["seats"], b["seats"])  # the engine's: the most any process knows
     m["unsupported"].update(b["unsupported"])  # a model any process found unsupported there, with the reason
     m["misconfigured"] = m["misconfigured"] or b["misconfigured"]
     load = b["load"]
@@ -253,6 +256,7 @@ def _backend_row(bid: str, m: dict, now_wall: float) -> dict:
     return {
         "id": bid, "engine": m["engine"], "health": _worst(m["views"]["health"], HEALTH_RANK),
         "breaker": _worst(m["views"]["breaker"], BREAKER_RANK), "in_flight": m["in_flight"],
+        "seats": m["seats"] or None,  # the requests its engine runs at once, as far as the queue knows (null: not yet)
         "load": {"running": load.get("running"), "waiting": load.get("waiting"), "kv_usage": load.get("kv_usage"),
                  "idle_slots": load.get("idle_slots"), "fresh": bool(load),
                  "age_s": round(now_wall - load["taken_at"], 3) if load else None},

@@ -26,7 +26,7 @@ def config(backends: list[dict], **sections) -> dict:
             {"id": "ops", "sha256": hash_key(ADMIN_KEY), "admin": True},
             {"id": "boss", "sha256": hash_key(KEYS["boss"]), "priority_header": True},
             {"id": "flood", "sha256": hash_key(KEYS["flood"])}]
-    sections["queue"] = {"enabled": True, **sections.get("queue", {})}  # (off by default)
+    sections["queue"] = {"enabled": True, **sections.get("queue", {})}  # (the default, said where it is tested)
     return gateway_config(backends, auth={"keys": keys}, **sections)
 
 
