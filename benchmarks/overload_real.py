@@ -146,11 +146,14 @@ async def drive(http: aiohttp.ClientSession, url: str, rates: dict[str, float], 
 
 
 async def run_variant(ctx, http: aiohttp.ClientSession, direct: aiohttp.ClientSession, engines: list[EngineHandle],
-                      variant: str, repeat: int, rates: dict[str, float], args: argparse.Namespace) -> dict:
+                      variant: str, repeat: int, rates: dict[str, float], args: argparse.Namespace,
+                      cfg: dict | None = None) -> dict:
+    """One run with a fresh gateway (`cfg`, else the variant's configuration) once both engines are idle."""
     idle_s = await rr.wait_idle(direct, engines, timeout=600.0)
     await asyncio.sleep(args.pause)
     port = kit.free_port()
-    gw = ctx.Process(target=serve_gateway, args=(gateway_config(variant, engines, args.queue), port), daemon=True)
+    cfg = cfg or gateway_config(variant, engines, args.queue)
+    gw = ctx.Process(target=serve_gateway, args=(cfg, port), daemon=True)
     gw.start()
     samples: list[dict] = []
     stop = asyncio.Event()
@@ -205,24 +208,30 @@ async def start_engines(args: argparse.Namespace) -> list:
     return engines
 
 
+async def prepare(direct: aiohttp.ClientSession, engines: list, args: argparse.Namespace, meta: dict) -> dict:
+    """The engines warmed up and measured alone: the calibration (arrival rates at --load), also put in `meta`."""
+    meta["engines"] = {h.engine: {"version": "simulated" if args.sim else await rr.engine_version(direct, h),
+                                  "argv": h.argv[1:], "startup_s": h.startup_s} for h in engines}
+    for h in engines:  # the first requests after a start are slow on both engines
+        for i in range(4):
+            await stream_request(direct, h.url, rr.chat([{"role": "user", "content": f"Warm up {i}."}], 16,
+                                                         h.model), {}, {})
+    cal = rr.derive(await rr.calibrate(direct, engines), args.load, args.slo_factor, args.ttft_floor_ms / 1000)
+    if not args.sim:  # (the simulator has no tokenizer route)
+        cal["prompt_tokens"] = await rr.prompt_tokens(direct, engines[0].url)
+    meta["calibration"] = cal
+    meta["targets"] = report.targets(args)
+    print("rates /s:", {k: round(v, 3) for k, v in cal["rates"].items()}, file=sys.stderr)
+    return cal
+
+
 async def bench(args: argparse.Namespace, meta: dict) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     engines = await start_engines(args)
     runs: list[dict] = []
     try:
         async with wire.new_session() as direct:
-            meta["engines"] = {h.engine: {"version": "simulated" if args.sim else await rr.engine_version(direct, h),
-                                          "argv": h.argv[1:], "startup_s": h.startup_s} for h in engines}
-            for h in engines:  # the first requests after a start are slow on both engines
-                for i in range(4):
-                    await stream_request(direct, h.url, rr.chat([{"role": "user", "content": f"Warm up {i}."}], 16,
-                                                                 h.model), {}, {})
-            cal = rr.derive(await rr.calibrate(direct, engines), args.load, args.slo_factor, args.ttft_floor_ms / 1000)
-            if not args.sim:  # (the simulator has no tokenizer route)
-                cal["prompt_tokens"] = await rr.prompt_tokens(direct, engines[0].url)
-            meta["calibration"] = cal
-            meta["targets"] = report.targets(args)
-            print("rates /s:", {k: round(v, 3) for k, v in cal["rates"].items()}, file=sys.stderr)
+            cal = await prepare(direct, engines, args, meta)
             timeout = aiohttp.ClientTimeout(total=None, sock_read=args.window + args.drain)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
                 for variant, r in schedule(args):
