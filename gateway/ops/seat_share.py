@@ -2,7 +2,7 @@
 
 A seat count that is configured or read from llama.cpp's slots is known from the start; vLLM's and SGLang's are
 learned from their load scrapes (gateway/queueing/seats.py), which takes a fresh process seconds of overload, and
-until then a burst of long outputs can take every seat. So each process writes what it learned of an engine (the
+until then it sends an engine more than it runs (they wait in the engine's first-come queue). So each process writes what it learned of an engine (the
 most it saw running, and the most it saw running while the engine queued more: BackendState.peak_running and
 full_at) into one Redis hash, a field per backend, beside the engine's URL, and takes the larger of its own and the
 hash's. Both are the engine's own figures (its running count covers every replica's requests), so the largest any
