@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -17,7 +16,7 @@ import orjson
 import redis.asyncio as redis_asyncio
 from redis.exceptions import RedisError
 
-from gateway.errors import MAX_RETRY_AFTER_S
+from gateway.ops.breaker_share import BREAKER_KEEP_S, BREAKER_KEY, BreakerShare
 from gateway.ops.replica_checks import (FIT_LEN, MALFORMED, SVC_LEN, figures_now, implausible, max_hold_s,
                                         read_entry)
 from gateway.ops.seat_share import SEATS_KEEP_S, SEATS_KEY, SeatShare
@@ -25,7 +24,7 @@ from gateway.stats.rolling import LatencyModel
 from gateway.stats.share import wall_time
 
 if TYPE_CHECKING:
-    from gateway.fleet.pool import BackendState, Pool
+    from gateway.fleet.pool import BackendState
     from gateway.runtime import Gateway
 
 log = logging.getLogger("shapegate.replicas")
@@ -33,8 +32,6 @@ log = logging.getLogger("shapegate.replicas")
 TICK_S = 0.2  # breaker openings go out, and the others' come in, at this pace
 LATENCY_EVERY_S = 2.0  # latency sums go out, and the others' come in, at this pace
 LATENCY_KEY = "latency"  # a hash: a field per process, its own learning per backend
-BREAKER_KEY = "breakers"  # a hash: a field per backend, the latest opening any process saw there
-BREAKER_KEEP_S = 180.0  # longer than any hold (an engine's Retry-After is capped at 120 s; see max_hold_s)
 ERRORS = (RedisError, OSError, TimeoutError)
 
 
@@ -193,88 +190,6 @@ class LatencyShare:
             del self._folded[key]
 
 
-class BreakerShare:
-    """A breaker that opens here is written to one Redis hash (a field per backend); the others' openings are
-    applied once each (see Breaker.hold): they keep requests off the engine for the rest of the opener's hold."""
-
-    def __init__(self, me: str) -> None:
-        self.me = me
-        self.pending: dict[str, float] = {}  # backend -> opened_until (monotonic), not yet written to Redis
-        self._seq = 0
-        self._seen: dict[str, bytes] = {}  # backend -> the field's value last read (each opening applies once)
-        self.wake = asyncio.Event()
-
-    def opened(self, backend: str, until: float) -> None:
-        """Breaker.on_open, on the request path: take note and wake the loop; the write happens there."""
-        self.pending[backend] = until
-        self.wake.set()
-
-    def outgoing(self, now_wall: float, now_mono: float) -> dict[str, bytes]:
-        out = {}
-        for bid, until in list(self.pending.items()):
-            if until <= now_mono:
-                del self.pending[bid]  # over before it could be told: nothing to tell
-                continue
-            self._seq += 1
-            out[bid] = orjson.dumps({"by": self.me, "n": self._seq, "at": now_wall, "hold_s": until - now_mono})
-        return out
-
-    def sent(self, written: Mapping[str, bytes], until: Mapping[str, float]) -> None:
-        for bid in written:
-            if self.pending.get(bid) == until.get(bid):
-                del self.pending[bid]  # unless it opened again meanwhile
-
-    def apply(self, rows: Mapping[str, bytes], pool: Pool, now_wall: float, now_mono: float,
-              max_hold: float = MAX_RETRY_AFTER_S) -> int:
-        """Apply the openings other processes wrote since the last read; returns how many held a breaker open.
-
-        An entry is read as a client's input: its hold is cut to `max_hold` (the longest this gateway holds a
-        breaker open on its own: max_hold_s), one written in the future is left out, and when an entry goes
-        (or another replaces it) the hold it applied ends with it (Breaker.end_hold)."""
-        applied = 0
-        for bid in [bid for bid in self._seen if bid not in rows]:
-            del self._seen[bid]
-            self._end_hold(pool, bid, now_mono)
-        for bid, raw in rows.items():
-            if self._seen.get(bid) == raw:
-                continue
-            if bid in self._seen:
-                self._end_hold(pool, bid, now_mono)
-            self._seen[bid] = raw
-            try:
-                left = self._left(raw, now_wall, max_hold)
-            except MALFORMED as err:
-                log.warning("ignoring a malformed breaker entry for %r: %r", bid, err)
-                continue
-            b = pool.get(bid)
-            if b is None or left is None or left <= 0:
-                continue
-            if b.breaker.hold(now_mono + left, now_mono):
-                applied += 1
-                log.info("breaker of %s held open for %.1f s: it opened on another replica", bid, left)
-        return applied
-
-    def _left(self, raw: bytes, now_wall: float, max_hold: float) -> float | None:
-        """What is left of another process's opening (None: it is this process's own)."""
-        e = orjson.loads(raw)
-        by, at, hold_s = e["by"], wall_time(e["at"], now_wall), e["hold_s"]
-        if not isinstance(by, str):
-            raise TypeError("no opener")
-        if at is None:
-            raise ValueError(f"opened at {e['at']!r}, not a time of the last while")
-        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not math.isfinite(hold_s):
-            raise ValueError(f"a hold of {hold_s!r}")
-        if by == self.me:
-            return None
-        return min(float(hold_s), max_hold) - max(now_wall - at, 0.0)
-
-    @staticmethod
-    def _end_hold(pool: Pool, bid: str, now_mono: float) -> None:
-        b = pool.get(bid)
-        if b is not None and b.breaker.end_hold(now_mono):
-            log.info("breaker of %s no longer held open: the other replica's entry is gone", bid)
-
-
 def _text(rows: Mapping) -> dict[str, bytes]:
     # (errors="replace": a field name no replica writes must not stop the round that reads the others)
     return {k.decode(errors="replace") if isinstance(k, bytes) else str(k): v for k, v in rows.items()}
@@ -375,19 +290,11 @@ class ReplicaSync:
         now_wall, now_mono = time.time(), time.monotonic()
         keep = latency_keep_s(g.cfg.stats.model_half_life_s)
         payload = self.latency.export(g.pool.all(), now_wall, now_mono)
-        try:
-            async with asyncio.timeout(self._timeout), self._client.pipeline(transaction=False) as p:
-                if payload is not None:
-                    p.hset(self._latency_key, self.me, payload)
-                    p.pexpire(self._latency_key, int(keep * 1000))
-                p.hgetall(self._latency_key)
-                rows = _text((await p.execute())[-1])
-        except ERRORS as e:
-            self._failed(e)
+        rows = await self._write_and_read(self._latency_key, {self.me: payload} if payload is not None else {},
+                                          keep if payload is not None else None)
+        if rows is None:
             return
-        self._succeeded()
-        backends = {b.id: b for b in g.pool.all() if g.pool.get(b.id) is b}  # active ones, not draining
-        imported = self.latency.fold(rows, backends, time.time(), time.monotonic())
+        imported = self.latency.fold(rows, self._active(), time.time(), time.monotonic())
         if imported:
             g.metrics.replica_import("latency", imported)
         self.latency.forget_before(now_wall - 3 * keep)
@@ -400,23 +307,37 @@ class ReplicaSync:
     async def seat_round(self) -> None:
         """Write the seat counts this process learned beyond the hash's, refresh the hash, take the others'."""
         g = self.g
-        active = {b.id: b for b in g.pool.all() if g.pool.get(b.id) is b}  # not draining (a reload may re-point an id)
-        out = self.seats.outgoing(active.values())
-        try:
-            async with asyncio.timeout(self._timeout), self._client.pipeline(transaction=False) as p:
-                if out:
-                    p.hset(self._seats_key, mapping=out)
-                p.pexpire(self._seats_key, int(SEATS_KEEP_S * 1000))
-                p.hgetall(self._seats_key)
-                rows = _text((await p.execute())[-1])
-        except ERRORS as e:
-            self._failed(e)
+        active = self._active()
+        rows = await self._write_and_read(self._seats_key, self.seats.outgoing(active.values()), SEATS_KEEP_S)
+        if rows is None:
             return
-        self._succeeded()
         learned = self.seats.take(rows, active)
         if learned:
             g.metrics.replica_import("seats", learned)
             g.queue.wake()  # more seats known: a waiting request may go now
+
+    def _active(self) -> dict[str, BackendState]:
+        """The backends by id, not those draining (a reload may have pointed an id at another engine)."""
+        pool = self.g.pool
+        return {b.id: b for b in pool.all() if pool.get(b.id) is b}
+
+    async def _write_and_read(self, key: str, fields: Mapping[str, bytes],
+                              keep_s: float | None) -> dict[str, bytes] | None:
+        """Write `fields` into the hash `key` (its expiry set to `keep_s` when given) and read the hash whole, in one
+        round trip; None when Redis failed (counted and logged)."""
+        try:
+            async with asyncio.timeout(self._timeout), self._client.pipeline(transaction=False) as p:
+                if fields:
+                    p.hset(key, mapping=dict(fields))
+                if keep_s is not None:
+                    p.pexpire(key, int(keep_s * 1000))
+                p.hgetall(key)
+                rows = _text((await p.execute())[-1])
+        except ERRORS as e:
+            self._failed(e)
+            return None
+        self._succeeded()
+        return rows
 
     def _failed(self, e: BaseException) -> None:
         self.g.metrics.replica_sync_error()

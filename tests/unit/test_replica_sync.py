@@ -9,7 +9,8 @@ from gateway.config import BackendConfig, GatewayConfig, LatencyHints
 from gateway.contracts import DEFAULT, Outcome, RequestShape
 from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker
 from gateway.fleet.pool import BackendState, Pool
-from gateway.ops.replica_sync import BreakerShare, LatencyShare
+from gateway.ops.breaker_share import BreakerShare
+from gateway.ops.replica_sync import LatencyShare
 from gateway.stats.rolling import LatencyModel
 
 SHAPE = RequestShape(model="m", route="chat", stream=True, prompt_tokens=100, output_tokens=100, klass=DEFAULT)

@@ -17,7 +17,8 @@ from gateway.fleet.health import CLOSED, HALF_OPEN, OPEN, Breaker
 from gateway.fleet.pool import BackendState, Pool
 from gateway.ops.admin_experiments import _weights_problem
 from gateway.ops.replica_checks import FAR_FACTOR, implausible, max_hold_s, read_entry
-from gateway.ops.replica_sync import BreakerShare, LatencyShare
+from gateway.ops.breaker_share import BreakerShare
+from gateway.ops.replica_sync import LatencyShare
 from gateway.runtime import build_policy
 from gateway.stats import sketch
 from gateway.stats.merge import read_summary, render
