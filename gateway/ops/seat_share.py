@@ -2,10 +2,10 @@
 
 A seat count that is configured or read from llama.cpp's slots is known from the start; vLLM's and SGLang's are
 learned from their load scrapes (gateway/queueing/seats.py), which takes a fresh process seconds of overload, and
-until then it sends an engine more than it runs (they wait in the engine's first-come queue). So each process writes what it learned of an engine (the
-most it saw running, and the most it saw running while the engine queued more: BackendState.peak_running and
-full_at) into one Redis hash, a field per backend, beside the engine's URL, and takes the larger of its own and the
-hash's. Both are the engine's own figures (its running count covers every replica's requests), so the largest any
+until then it sends an engine more than it runs (they wait in the engine's first-come queue). So each process
+writes what it learned of an engine (the most it saw running, and the most it saw running while the engine queued
+more: BackendState.peak_running and full_at) into one Redis hash, a field per backend, beside the engine's URL, and
+takes the larger of its own and the hash's. Both are the engine's own figures (its running count covers every replica's requests), so the largest any
 process saw is the truest.
 
 An entry is read as a client's input: one that is malformed, past MAX_SEATS or for another URL (the backend id now
@@ -66,14 +66,14 @@ class SeatShare:
         """The entries to write: a backend this process knows more of than the hash said at the last read."""
         out = {}
         for b in backends:
-            if not b.peak_running:
+            # (as written: an engine that reported more running than MAX_SEATS is not written again every round)
+            full, peak = min(b.full_at, MAX_SEATS), min(b.peak_running, MAX_SEATS)
+            if not peak:
                 continue  # nothing learned yet
             known = self._read.get(b.id)
-            if known is not None and known.url == b.cfg.url and known.full >= b.full_at and \
-                    known.peak >= b.peak_running:
+            if known is not None and known.url == b.cfg.url and known.full >= full and known.peak >= peak:
                 continue
-            out[b.id] = orjson.dumps({"url": b.cfg.url, "full": min(b.full_at, MAX_SEATS),
-                                      "peak": min(b.peak_running, MAX_SEATS)})
+            out[b.id] = orjson.dumps({"url": b.cfg.url, "full": full, "peak": peak})
         return out
 
     def take(self, rows: Mapping[str, bytes], backends: Mapping[str, BackendState]) -> int:

@@ -59,6 +59,15 @@ def test_only_news_is_written_and_the_larger_count_stays():
     assert "x" in share.outgoing([b])
 
 
+def test_a_count_past_the_bound_is_written_at_the_bound_once():
+    share, b = SeatShare(), state()
+    b.take_load(LoadSample(at=1.0, running=MAX_SEATS * 10, waiting=0))  # an engine that says anything
+    out = share.outgoing([b])
+    assert orjson.loads(out["x"])["peak"] == MAX_SEATS
+    share.take(out, {"x": b})
+    assert share.outgoing([b]) == {}
+
+
 def test_an_entry_for_another_engine_is_left_out_and_replaced():
     share, b = SeatShare(), state()
     assert share.take({"x": entry(16, 16, url="http://10.0.0.9:8000")}, {"x": b}) == 0
